@@ -1,0 +1,13 @@
+"""exl-backends: EXL2 and GPTQ inference with runtime-compiled CUDA kernels and a CPU reference path.
+
+Importing this package defines names only: it imports no CuPy, compiles nothing and touches no GPU."""
+from importlib import import_module
+
+__all__ = ["ExlForCausalLM", "Generator", "SamplingParams"]
+_HOMES = {"ExlForCausalLM": "hf", "Generator": "generator", "SamplingParams": "sampling"}
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        return getattr(import_module(f".{_HOMES[name]}", __name__), name)
+    raise AttributeError(f"module 'exl_backends' has no attribute {name!r}")

@@ -1,0 +1,123 @@
+"""The KV cache: fixed-size pages shared by all sequences, in fp16 or quantized (q8, q6, q4) form.
+
+Per layer, K and V are stored by slot (page * page_size + offset). fp16: [slots, n_kv_heads, head_dim].
+Quantized: codes uint8 [slots, E] (8-bit) or [slots, E/2] (4-bit) and fp16 scales [slots, E/32], with
+E = n_kv_heads * head_dim, in the rotated layout of reference.quantize_kv (ExLlamaV2's Q-cache scheme)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .config import ModelConfig
+from .errors import ConfigError
+
+# mode -> (K bits, V bits); None: fp16. q6 is ExLlamaV2's "Q6": K at 8 bits, V at 4.
+CACHE_MODES: dict[str, tuple[int, int] | None] = {"fp16": None, "q8": (8, 8), "q6": (8, 4), "q4": (4, 4)}
+
+
+def check_mode(mode: str, config: ModelConfig) -> None:
+    if mode not in CACHE_MODES:
+        raise ConfigError(f"cache mode {mode!r} is not supported; choose one of {', '.join(CACHE_MODES)}")
+    width = config.n_kv_heads * config.head_dim
+    if CACHE_MODES[mode] and width % reference.KV_CHUNK:
+        raise ConfigError(f"cache mode {mode!r} needs n_kv_heads * head_dim to be a multiple of "
+                          f"{reference.KV_CHUNK} (this model has {width}); use cache_mode='fp16'")
+
+
+def bytes_per_token(config: ModelConfig, mode: str, dtype_bytes: int = 2) -> int:
+    """Cache bytes one token takes over all layers, K and V, scales included (fp16 mode: dtype_bytes each)."""
+    width = config.n_kv_heads * config.head_dim
+    bits = CACHE_MODES[mode]
+    if bits is None:
+        per_layer = 2 * width * dtype_bytes
+    else:
+        per_layer = sum(width * b // 8 + width // reference.KV_GROUP * 2 for b in bits)
+    return config.n_layers * per_layer
+
+
+@dataclass
+class LayerCache:
+    k: Tensor                 # fp16 mode: [slots, Hkv, Dh]; quantized: codes [slots, E*bits/8]
+    v: Tensor
+    k_scales: Tensor | None   # quantized only: fp16 [slots, E/32]
+    v_scales: Tensor | None
+
+
+class PagePool:
+    """Which pages are free. Pages are handed out whole; a sequence owns a list of them."""
+
+    def __init__(self, n_pages: int):
+        self.n_pages = n_pages
+        self.free = list(range(n_pages - 1, -1, -1))
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"{n} cache pages requested, {len(self.free)} free")
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free)
+
+
+class KVCache:
+    """Pages for every layer. Unquantized ("fp16") pages hold the model's compute dtype (f32 on CPU)."""
+
+    def __init__(self, config: ModelConfig, n_pages: int, page_size: int = 256, mode: str = "fp16",
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16):
+        check_mode(mode, config)
+        self.config, self.mode, self.page_size, self.dtype = config, mode, page_size, dtype
+        self.device = torch.device(device)
+        self.bits = CACHE_MODES[mode]
+        self.pool = PagePool(n_pages)
+        slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim
+        self.layers = [self._layer(slots, hkv, dh) for _ in range(config.n_layers)]
+
+    def _layer(self, slots: int, hkv: int, dh: int) -> LayerCache:
+        if self.bits is None:
+            def kv():
+                return torch.zeros(slots, hkv, dh, dtype=self.dtype, device=self.device)
+            return LayerCache(kv(), kv(), None, None)
+        width = hkv * dh
+
+        def codes(bits):
+            return torch.zeros(slots, width * bits // 8, dtype=torch.uint8, device=self.device)
+
+        def scales():
+            return torch.zeros(slots, width // reference.KV_GROUP, dtype=torch.float16, device=self.device)
+        return LayerCache(codes(self.bits[0]), codes(self.bits[1]), scales(), scales())
+
+    @property
+    def max_tokens(self) -> int:
+        return self.pool.n_pages * self.page_size
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """k, v [T, Hkv, Dh] -> their slots (quantized on the way in for q modes)."""
+        c = self.layers[layer]
+        if self.bits is None:
+            c.k[slots] = k.to(self.dtype)
+            c.v[slots] = v.to(self.dtype)
+            return
+        for codes, scales, x, bits in ((c.k, c.k_scales, k, self.bits[0]), (c.v, c.v_scales, v, self.bits[1])):
+            q, s = reference.quantize_kv(x.reshape(x.shape[0], -1), bits)
+            codes[slots], scales[slots] = q, s
+
+    def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The K, V [L, Hkv, Dh] stored at slots, dequantized (reference path)."""
+        c = self.layers[layer]
+        if self.bits is None:
+            return c.k[slots], c.v[slots]
+        shape = (slots.shape[0], self.config.n_kv_heads, self.config.head_dim)
+        k = reference.dequantize_kv(c.k[slots], c.k_scales[slots], self.bits[0], self.dtype)
+        v = reference.dequantize_kv(c.v[slots], c.v_scales[slots], self.bits[1], self.dtype)
+        return k.view(shape), v.view(shape)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.layers
+                   for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None)

@@ -1,0 +1,113 @@
+"""EXL2 (ExLlamaV2) linear layers: reading and validating the packed tensors. Layout: shared/design/exl2-format.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from ..errors import CheckpointError
+from ..linear import QuantLinear
+from ..tensors import TensorStore
+
+EXL2_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def padded(n: int) -> int:
+    """ExLlamaV2 pads every linear's out_features to a multiple of 32."""
+    return (n + 31) // 32 * 32
+
+
+@dataclass
+class Exl2Weight:
+    q_weight: Tensor      # int32 [QR, Np]
+    q_scale: Tensor       # int32 [G, Np/8]
+    q_scale_max: Tensor   # fp16 [G]
+    q_groups: Tensor      # int16 [2G]: (bits, qrow_start) per group
+    q_invperm: Tensor     # int32 [K]: stored row of original row k
+    in_features: int
+    out_features: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.q_weight.device
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"q_weight": self.q_weight, "q_scale": self.q_scale, "q_scale_max": self.q_scale_max,
+                "q_groups": self.q_groups, "q_invperm": self.q_invperm}
+
+    def dequantize(self) -> Tensor:
+        t = {k: v.cpu() for k, v in self.tensors().items()}
+        return reference.dequant_exl2(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_groups"],
+                                      t["q_invperm"], self.out_features).to(self.device)
+
+    def groups(self) -> list[tuple[int, int, int]]:
+        return reference.exl2_groups(self.q_groups.cpu(), self.in_features)
+
+    def to(self, device: torch.device) -> "Exl2Weight":
+        return Exl2Weight(**{k: v.to(device) for k, v in self.tensors().items()},
+                          in_features=self.in_features, out_features=self.out_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def check(store: TensorStore, key: str, k: int, n: int, bias: bool) -> None:
+    np_ = padded(n)
+    g = store.expect(f"{key}.q_scale_max", None, (torch.float16,)).shape
+    if len(g) != 1 or g[0] == 0:
+        raise CheckpointError(f"{store.info(key + '.q_scale_max').file}: tensor {key}.q_scale_max has shape "
+                              f"{list(g)}, expected [groups]")
+    groups = g[0]
+    store.expect(f"{key}.q_scale", (groups, np_ // 8), (torch.int32,))
+    store.expect(f"{key}.q_groups", (2 * groups,), (torch.int16,))
+    store.expect(f"{key}.q_invperm", (k,), (torch.int32,))
+    qw = store.expect(f"{key}.q_weight", None, (torch.int32,))
+    if len(qw.shape) != 2 or qw.shape[1] != np_:
+        raise CheckpointError(f"{qw.file}: tensor {key}.q_weight has shape {list(qw.shape)}, expected "
+                              f"[packed rows, {np_}] for out_features {n} from config.json")
+    if bias:
+        b = store.expect(f"{key}.bias", None, (torch.float16,))
+        if b.shape not in ((n,), (np_,)):
+            raise CheckpointError(f"{b.file}: tensor {key}.bias has shape {list(b.shape)}, expected [{np_}]")
+
+
+def _check_content(w: Exl2Weight, key: str, file) -> None:
+    """q_groups must describe K rows in non-increasing widths filling q_weight; q_invperm a permutation."""
+    def bad(why):
+        return CheckpointError(f"{file}: {key}: {why}; the checkpoint is corrupt, re-download or re-convert it")
+    pairs = w.q_groups.to(torch.int64).view(-1, 2).tolist()
+    bits = [b for b, _ in pairs]
+    if any(b not in EXL2_BITS for b in bits):
+        raise bad(f"q_groups holds bit widths {sorted(set(bits))}, allowed {list(EXL2_BITS)}")
+    if any(a < b for a, b in zip(bits, bits[1:])):
+        raise bad("q_groups bit widths are not in non-increasing order")
+    if pairs[0][1] != 0:
+        raise bad("q_groups does not start at packed row 0")
+    rows, end = 0, 0
+    for i, (b, start) in enumerate(pairs):
+        nxt = pairs[i + 1][1] if i + 1 < len(pairs) else None
+        if nxt is not None:
+            if nxt <= start or (nxt - start) * 32 % b:
+                raise bad(f"q_groups row starts are inconsistent at group {i}")
+            rows += (nxt - start) * 32 // b
+        else:
+            last = w.in_features - rows
+            if last <= 0 or last * b % 32:
+                raise bad(f"q_groups describe {rows} rows before the last group, in_features is {w.in_features}")
+            end = start + last * b // 32
+    if end != w.q_weight.shape[0]:
+        raise bad(f"q_groups describe {end} packed rows, q_weight has {w.q_weight.shape[0]}")
+    perm = w.q_invperm.to(torch.int64)
+    if not torch.equal(torch.sort(perm).values, torch.arange(w.in_features)):
+        raise bad("q_invperm is not a permutation of 0..in_features-1")
+
+
+def load(store: TensorStore, key: str, k: int, n: int, bias: bool) -> QuantLinear:
+    check(store, key, k, n, bias)
+    w = Exl2Weight(*(store.get(f"{key}.{t}") for t in ("q_weight", "q_scale", "q_scale_max", "q_groups",
+                                                      "q_invperm")), in_features=k, out_features=n)
+    _check_content(w, key, store.info(f"{key}.q_weight").file)
+    b = store.get(f"{key}.bias")[:n] if bias else None
+    return QuantLinear(w, b)

@@ -1,0 +1,88 @@
+"""Compiles `<family>.cu` with NVRTC (through cupy.RawModule) for the current GPU and launches its kernels on
+torch's current stream, on torch tensors (zero copy: kernels get raw device pointers).
+
+Nothing happens at import. The first launch of a family compiles it for the GPU's compute capability; CuPy
+caches the binary on disk (~/.cupy/kernel_cache), so later processes skip the compile."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DeviceError
+
+KERNEL_DIR = Path(__file__).resolve().parent
+MIN_CC = (7, 5)
+
+
+@functools.cache
+def cupy():
+    try:
+        import cupy as cp
+    except ImportError:
+        raise DeviceError("the CUDA path needs CuPy: pip install 'exl-backends[cuda12]' (CUDA 12 driver) or "
+                          "'exl-backends[cuda13]' (CUDA 13 driver); or run on CPU with device='cpu'") from None
+    return cp
+
+
+def compute_capability(device: torch.device | None = None) -> tuple[int, int]:
+    if not torch.cuda.is_available():
+        raise DeviceError("no CUDA GPU is visible to torch (check the driver and CUDA_VISIBLE_DEVICES), "
+                          "or run on CPU with device='cpu'")
+    cc = torch.cuda.get_device_capability(device)
+    if cc < MIN_CC:
+        raise DeviceError(f"GPU compute capability {cc[0]}.{cc[1]} is older than the {MIN_CC[0]}.{MIN_CC[1]} "
+                          f"(Turing) our kernels need; run on CPU with device='cpu'")
+    return cc
+
+
+@functools.cache
+def module(family: str, cc: tuple[int, int]):
+    """The compiled RawModule of `<family>.cu` for compute capability cc (memoised per process)."""
+    cp = cupy()
+    source = f'#line 1 "{family}.cu"\n' + (KERNEL_DIR / f"{family}.cu").read_text()
+    options = ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}", "--use_fast_math")
+    try:
+        mod = cp.RawModule(code=source, options=options, backend="nvrtc")
+        mod.compile()
+    except cp.cuda.compiler.CompileException as e:
+        if "invalid value for --gpu-architecture" in str(e) or "unsupported gpu architecture" in str(e).lower():
+            raise DeviceError(f"this CUDA toolkit's NVRTC cannot compile for sm_{cc[0]}{cc[1]}: install the CuPy "
+                              f"wheel that matches your driver (cupy-cuda12x or cupy-cuda13x), newer") from None
+        raise
+    return mod
+
+
+@functools.cache
+def _stream(ptr: int):
+    return cupy().cuda.ExternalStream(ptr)
+
+
+def _arg(a):
+    if isinstance(a, torch.Tensor):
+        if not a.is_cuda:
+            raise DeviceError(f"a kernel got a {a.device} tensor; every kernel argument must be on the GPU")
+        return np.uint64(a.data_ptr())
+    if isinstance(a, bool):
+        return np.int32(a)
+    if isinstance(a, int):
+        return np.int32(a)
+    if isinstance(a, float):
+        return np.float32(a)
+    if a is None:
+        return np.uint64(0)
+    return a   # already an explicit numpy scalar (np.int64, np.uint64, ...)
+
+
+def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+           shared_mem: int = 0) -> None:
+    """Launches `kernel` of `<family>.cu` on torch's current stream. Tensors become device pointers, Python
+    ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type."""
+    cc = compute_capability()
+    fn = module(family, cc).get_function(kernel)
+    if shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    stream = _stream(torch.cuda.current_stream().cuda_stream)
+    fn(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)

@@ -1,0 +1,75 @@
+"""Linear layers: a dense one and QuantLinear (a packed weight), both `y = x @ W^T (+ bias)`.
+
+QuantLinear's forward is chosen once, when the layer is placed on a device: on CPU the reference (dequantize
+once, then matmul), on CUDA the quantized-matmul kernels. Model code never knows which it holds."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+
+class QuantizedWeight(Protocol):
+    """A packed weight as a format stores it (EXL2, GPTQ). `dequantize()` is the exact reference."""
+    in_features: int
+    out_features: int
+    device: torch.device
+
+    def dequantize(self) -> Tensor: ...          # fp16 [out_features, in_features]
+    def to(self, device: torch.device) -> "QuantizedWeight": ...
+    def nbytes(self) -> int: ...                 # bytes of the packed tensors
+
+
+class Linear:
+    """A dense linear layer (fp16/bf16/fp32 weight [N, K])."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return reference.linear(x, self.weight, self.bias)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "Linear":
+        bias = None if self.bias is None else self.bias.to(device, dtype)
+        return Linear(self.weight.to(device, dtype), bias)
+
+    def dense_weight(self) -> Tensor:
+        return self.weight
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+
+
+class QuantLinear:
+    """A linear layer with a packed weight; computes in the activations' dtype."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self._dense: Tensor | None = None       # CPU path: the dequantized weight, made on first use
+        self._forward = self._reference_forward
+        if weight.device.type == "cuda":
+            from .kernels import quant_matmul    # importing it compiles nothing
+            self._forward = quant_matmul.prepare(weight, bias)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self._forward(x)
+
+    def _reference_forward(self, x: Tensor) -> Tensor:
+        if self._dense is None or self._dense.dtype != x.dtype:
+            self._dense = self.weight.dequantize().to(x.dtype)
+        return reference.linear(x, self._dense, self.bias)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "QuantLinear":
+        bias = None if self.bias is None else self.bias.to(device, dtype)
+        return QuantLinear(self.weight.to(device), bias)
+
+    def dense_weight(self) -> Tensor:
+        return self.weight.dequantize()
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
