@@ -31,3 +31,7 @@ class DeviceError(ExlError):
 
 class OutOfMemoryPlanError(ExlError):
     """The memory plan does not fit the device; the message carries the numbers."""
+
+
+class SamplingError(ExlError, ValueError):
+    """A sampling parameter or constraint is invalid, or a combination of them is unsupported (names the field)."""

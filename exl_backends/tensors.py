@@ -115,13 +115,15 @@ class TensorStore:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
+    def files(self) -> str:
+        return ", ".join(sorted({i.file.name for i in self.infos.values()}))
+
     def names(self) -> list[str]:
         return list(self.infos)
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.infos:
-            raise CheckpointError(f"tensor {name!r} is missing from {self.directory} "
-                                  f"(files: {', '.join(sorted({i.file.name for i in self.infos.values()}))})")
+            raise CheckpointError(f"tensor {name!r} is missing from {self.directory} (files: {self.files()})")
         return self.infos[name]
 
     def expect(self, name: str, shape: tuple[int, ...] | None = None,

@@ -20,7 +20,7 @@ def linear_kind(store: TensorStore, key: str) -> str:
     if f"{key}.weight" in store:
         return "dense"
     raise CheckpointError(f"tensor {key}.weight (or a quantized {key}.q_weight / {key}.qweight) is missing "
-                          f"from {store.directory}")
+                          f"from {store.directory} (files: {store.files()})")
 
 
 def check_linear(store: TensorStore, key: str, in_features: int, out_features: int, bias: bool) -> None:

