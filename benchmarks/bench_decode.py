@@ -19,93 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import SHAPES, synthetic_model, weight_bytes  # noqa: E402
+from shapes import SHAPES, synthetic_model  # noqa: E402
 
-from exl_backends.batch import Batch, SeqChunk  # noqa: E402
-from exl_backends.cache import KVCache, bytes_per_token  # noqa: E402
-from exl_backends.runner import Runner  # noqa: E402
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * 2 * 1024**3 / sorted(times)[len(times) // 2]
-
-
-def fill_cache(cache: KVCache) -> None:
-    """Random contents: speed does not depend on them, but zeros could take shortcuts."""
-    for layer in cache.layers:
-        for t in (layer.k, layer.v):
-            if t.dtype == torch.uint8:
-                t.random_(0, 256)
-            else:
-                t.normal_(0, 0.5)
-        for s in (layer.k_scales, layer.v_scales):
-            if s is not None:
-                s.uniform_(0.01, 0.05)
-
-
-def decode_speed(model, mode: str, ctx: int, steps: int = 64) -> dict:
-    ps = 256
-    n_pages = -(-(ctx + steps + 1) // ps) + 1
-    cache = KVCache(model.config, n_pages + 1, ps, mode, "cuda", torch.float16)
-    fill_cache(cache)
-    pages = cache.pool.allocate(n_pages)
-    runner = Runner(model, cache, max_batch=1, max_pages=n_pages)
-    token = 1000
-
-    def step(i):
-        batch = Batch.build([SeqChunk([token], ctx + i, pages)], ps, "cuda")
-        return runner.forward(batch).argmax(-1)
-    for i in range(3):
-        step(i)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        token = int(step(i))          # one host sync per token, as generation needs
-    per_token = (time.perf_counter() - t0) / steps
-    graph = runner.graphs[1]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.graph.replay()
-    end.record()
-    end.synchronize()
-    replay = start.elapsed_time(end) / 1e3 / steps
-    read = weight_bytes(model) + ctx * bytes_per_token(model.config, mode)
-    del runner, cache
-    torch.cuda.empty_cache()
-    return dict(tok_s=1 / per_token, replay_tok_s=1 / replay, bytes=read)
-
-
-def prefill_speed(model, n: int = 2048) -> float:
-    ps = 256
-    cache = KVCache(model.config, n // ps + 2, ps, "fp16", "cuda", torch.float16)
-    pages = cache.pool.allocate(n // ps + 1)
-    ids = torch.randint(0, model.config.vocab_size, (n,)).tolist()
-    batch = Batch.build([SeqChunk(ids, 0, pages)], ps, "cuda")
-    for _ in range(2):
-        model.forward(batch, cache)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reps = 5
-    for _ in range(reps):
-        model.forward(batch, cache)
-    torch.cuda.synchronize()
-    del cache
-    return n * reps / (time.perf_counter() - t0)
+from exl_backends.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
 
 
 def transformers_baseline(shape: str, ctx: int = 256, new: int = 64) -> float:
@@ -138,17 +54,17 @@ def main() -> None:
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
         model = synthetic_model(shape)
         for mode in args.modes.split(","):
             for ctx in map(int, args.contexts.split(",")):
-                r = decode_speed(model, mode, ctx)
+                r = decode_speed(model, ctx, mode)
                 bound = bw / r["bytes"]
                 rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", tok_s=r["tok_s"],
                                  replay_tok_s=r["replay_tok_s"], bound=bound, pct=100 * r["tok_s"] / bound))
-        rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model)))
+        rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model, 2048)))
         del model
         torch.cuda.empty_cache()
         if args.baseline:

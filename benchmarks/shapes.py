@@ -82,12 +82,3 @@ def synthetic_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_
     head = lin(d, config.vocab_size, head_mix)
     return Model(config, embed, blocks, norm(), head, torch.device(device), torch.float16)
 
-
-def weight_bytes(model: Model) -> int:
-    """Bytes one decode step reads from the weights: every linear once (embedding: one row, ignored)."""
-    total = model.lm_head.nbytes()
-    for b in model.blocks:
-        a, m = b.attention, b.mlp
-        total += sum(x.nbytes() for x in (a.q, a.k, a.v, a.o, m.gate, m.up, m.down))
-        total += 2 * b.input_norm.numel() * 2
-    return total

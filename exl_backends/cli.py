@@ -67,6 +67,13 @@ def _cmd_chat(args) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _cmd_bench(args) -> None:
+    from .bench import report
+    model = _load(args)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    print(report(model.model, contexts, args.cache_mode, [int(n) for n in args.prefill.split(",")]))
+
+
 def _cmd_import_gguf(args) -> None:
     from .formats.gguf import import_gguf
     print(f"wrote {import_gguf(args.file, args.out_dir)}")
@@ -117,6 +124,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt")
     _sampling_args(p)
     p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("bench", help="prefill and decode tokens/s, with the bandwidth bound",
+                       description="Decode tokens/s at batch 1 for a few context lengths (the cache filled with "
+                                   "random K/V) and prefill tokens/s, each beside its bound: bytes read per token "
+                                   "over the measured copy bandwidth.")
+    _model_args(p)
+    p.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
+    p.add_argument("--prefill", default="512,2048", help="comma-separated prompt lengths (default 512,2048)")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("import-gguf", help="turn a GGUF file into an HF fp16 safetensors directory",
                        description="Dequantizes FILE to fp16 and writes config, weights and tokenizer to OUT_DIR, "

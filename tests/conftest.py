@@ -1,6 +1,7 @@
 """Shared test helpers: tiny random models built with transformers, and the reference fixtures."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
-FIXTURES = SHARED / "fixtures" / "exl2-ref"
+# ../shared does not travel to the GPU machine: scripts/stage-fixtures copies the fixtures, EXL_FIXTURES names them
+FIXTURES = Path(os.environ.get("EXL_FIXTURES", SHARED / "fixtures" / "exl2-ref"))
 TOKENIZER_DIR = FIXTURES / "hf" / "llama_tiny"     # byte-level BPE, vocab 512, no automatic BOS
 
 
