@@ -78,6 +78,11 @@ class KVCache:
         self.pool = PagePool(n_pages)
         slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim
         self.layers = [self._layer(slots, hkv, dh) for _ in range(config.n_layers)]
+        self._write = self._write_reference
+        if self.device.type == "cuda":
+            from .kernels import attention, kv_cache   # importing them compiles nothing
+            attention.check_cache(self)
+            self._write = kv_cache.writer(self.bits)
 
     def _layer(self, slots: int, hkv: int, dh: int) -> LayerCache:
         if self.bits is None:
@@ -98,8 +103,10 @@ class KVCache:
         return self.pool.n_pages * self.page_size
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """k, v [T, Hkv, Dh] -> their slots (quantized on the way in for q modes)."""
-        c = self.layers[layer]
+        """k, v [T, Hkv, Dh] -> their slots (quantized on the way in for q modes). On CUDA: kv_cache.cu."""
+        self._write(self.layers[layer], k, v, slots)
+
+    def _write_reference(self, c: LayerCache, k: Tensor, v: Tensor, slots: Tensor) -> None:
         if self.bits is None:
             c.k[slots] = k.to(self.dtype)
             c.v[slots] = v.to(self.dtype)

@@ -39,10 +39,10 @@ class Model:
     def load(cls, path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32) -> "Model":
         config = config or ModelConfig.from_dir(path)
-        store = TensorStore(path)
+        ckpt = formats.open_checkpoint(path)
         device = torch.device(device)
-        validate(store, config)
-        return cls(config, *_load_weights(store, config, device, dtype), device, dtype)
+        validate(ckpt, config)
+        return cls(config, *_load_weights(ckpt, config, device, dtype), device, dtype)
 
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """Runs the batch's tokens, writing their K/V into cache. Returns f32 logits [R, vocab] for
@@ -66,7 +66,7 @@ def _key(config: ModelConfig, i: int, name: str) -> str:
     return f"{config.traits.names.layer.format(i=i)}.{name}"
 
 
-def _linears(config: ModelConfig) -> list[tuple[str, int, int, bool]]:
+def linears(config: ModelConfig) -> list[tuple[str, int, int, bool]]:
     """(key, in_features, out_features, has_bias) of every linear layer, lm_head last."""
     n = config.traits.names
     d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
@@ -83,35 +83,35 @@ def _linears(config: ModelConfig) -> list[tuple[str, int, int, bool]]:
     return out
 
 
-def _head_is_tied(store: TensorStore, config: ModelConfig) -> bool:
+def head_is_tied(store: TensorStore, config: ModelConfig) -> bool:
     head = config.traits.names.lm_head
     return config.tie_word_embeddings and not any(f"{head}.{s}" in store for s in ("weight", "q_weight", "qweight"))
 
 
-def validate(store: TensorStore, config: ModelConfig) -> None:
+def validate(ckpt: formats.Checkpoint, config: ModelConfig) -> None:
     """Every tensor the model needs: present, right shape, right dtype; before anything is read."""
-    n, d = config.traits.names, config.hidden_size
+    n, d, store = config.traits.names, config.hidden_size, ckpt.store
     store.expect(f"{n.embed}.weight", (config.vocab_size, d), FLOAT_DTYPES)
     store.expect(f"{n.final_norm}.weight", (d,), FLOAT_DTYPES)
     for i in range(config.n_layers):
         for norm in (n.input_norm, n.post_attn_norm):
             store.expect(f"{_key(config, i, norm)}.weight", (d,), FLOAT_DTYPES)
-    for key, k, m, bias in _linears(config):
-        formats.check_linear(store, key, k, m, bias)
-    if not _head_is_tied(store, config):
-        formats.check_linear(store, n.lm_head, d, config.vocab_size, False)
+    for key, k, m, bias in linears(config):
+        formats.check_linear(ckpt, key, k, m, bias)
+    if not head_is_tied(store, config):
+        formats.check_linear(ckpt, n.lm_head, d, config.vocab_size, False)
 
 
-def _load_weights(store: TensorStore, config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    n = config.traits.names
+def _load_weights(ckpt: formats.Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    n, store = config.traits.names, ckpt.store
 
     def vec(name):
         return store.get(name).to(device, dtype)
 
     def lin(key, k, m, bias):
-        return formats.load_linear(store, key, k, m, bias, device, dtype)
+        return formats.load_linear(ckpt, key, k, m, bias, device, dtype)
 
-    specs = iter(_linears(config))
+    specs = iter(linears(config))
     blocks = []
     for i in range(config.n_layers):
         q, k, v, o, gate, up, down = (lin(*next(specs)) for _ in range(7))
@@ -121,7 +121,7 @@ def _load_weights(store: TensorStore, config: ModelConfig, device: torch.device,
             post_attn_norm=vec(f"{_key(config, i, n.post_attn_norm)}.weight"),
             mlp=Mlp(gate, up, down)))
     embed = vec(f"{n.embed}.weight")
-    if _head_is_tied(store, config):
+    if head_is_tied(store, config):
         lm_head = Linear(embed)
     else:
         lm_head = lin(n.lm_head, config.hidden_size, config.vocab_size, False)

@@ -71,7 +71,8 @@ class Runner:
             self.pool = torch.cuda.graph_pool_handle()
 
     def forward(self, batch: Batch) -> Tensor:
-        is_decode = batch.input_ids.shape[0] == batch.n_seqs and batch.logit_rows is not None
+        n = batch.n_seqs     # a decode step: one token and one logits row per sequence (shapes only: no sync)
+        is_decode = batch.input_ids.shape[0] == n and batch.logit_rows is not None and batch.logit_rows.numel() == n
         if not (self.use_graphs and is_decode and batch.n_seqs <= self.sizes[-1]):
             return self.model.forward(batch, self.cache)
         size = next(s for s in self.sizes if s >= batch.n_seqs)

@@ -44,7 +44,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:   # bad UTF-8 or JSON, absurd nesting or integer lengths
         raise CheckpointError(f"{file}: corrupt safetensors header ({e}); re-download or re-convert it") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
@@ -63,7 +63,7 @@ def _check_entry(file: Path, name: str, entry, data_bytes: int) -> TensorInfo:
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r}")
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise bad(f"invalid shape {shape!r}")

@@ -8,7 +8,6 @@ from torch import Tensor
 
 from .. import reference
 from ..errors import CheckpointError
-from ..linear import QuantLinear
 from ..tensors import TensorStore
 
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
@@ -53,61 +52,62 @@ class Exl2Weight:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def check(store: TensorStore, key: str, k: int, n: int, bias: bool) -> None:
+def check(store: TensorStore, key: str, k: int, n: int) -> None:
+    """Validates names, shapes and dtypes of one layer's packed tensors without reading data. A `q_perm` that
+    older files carry is not read: like ExLlamaV2, we always derive the permutation from q_invperm."""
     np_ = padded(n)
-    g = store.expect(f"{key}.q_scale_max", None, (torch.float16,)).shape
-    if len(g) != 1 or g[0] == 0:
-        raise CheckpointError(f"{store.info(key + '.q_scale_max').file}: tensor {key}.q_scale_max has shape "
-                              f"{list(g)}, expected [groups]")
-    groups = g[0]
+    sm = store.expect(f"{key}.q_scale_max", None, (torch.float16,))
+    if len(sm.shape) != 1 or sm.shape[0] == 0:
+        raise CheckpointError(f"{sm.file}: tensor '{key}.q_scale_max' has shape {list(sm.shape)}, expected "
+                              f"[groups]")
+    groups = sm.shape[0]
     store.expect(f"{key}.q_scale", (groups, np_ // 8), (torch.int32,))
     store.expect(f"{key}.q_groups", (2 * groups,), (torch.int16,))
     store.expect(f"{key}.q_invperm", (k,), (torch.int32,))
     qw = store.expect(f"{key}.q_weight", None, (torch.int32,))
     if len(qw.shape) != 2 or qw.shape[1] != np_:
-        raise CheckpointError(f"{qw.file}: tensor {key}.q_weight has shape {list(qw.shape)}, expected "
-                              f"[packed rows, {np_}] for out_features {n} from config.json")
-    if bias:
-        b = store.expect(f"{key}.bias", None, (torch.float16,))
-        if b.shape not in ((n,), (np_,)):
-            raise CheckpointError(f"{b.file}: tensor {key}.bias has shape {list(b.shape)}, expected [{np_}]")
+        raise CheckpointError(f"{qw.file}: tensor '{key}.q_weight' has shape {list(qw.shape)}, expected "
+                              f"[packed rows, {np_}] for out_features {n} from config.json (padded to 32)")
 
 
-def _check_content(w: Exl2Weight, key: str, file) -> None:
-    """q_groups must describe K rows in non-increasing widths filling q_weight; q_invperm a permutation."""
-    def bad(why):
-        return CheckpointError(f"{file}: {key}: {why}; the checkpoint is corrupt, re-download or re-convert it")
+def _check_content(w: Exl2Weight, key: str, store: TensorStore) -> None:
+    """q_groups must cut K rows into groups of non-increasing width that fill q_weight exactly; q_invperm must
+    be a permutation; q_scale_max finite. Checked before anything is unpacked."""
+    def bad(tensor, why):
+        return CheckpointError(f"{store.info(f'{key}.{tensor}').file}: tensor '{key}.{tensor}': {why}; the "
+                               f"checkpoint is corrupt, re-download or re-convert it")
     pairs = w.q_groups.to(torch.int64).view(-1, 2).tolist()
     bits = [b for b, _ in pairs]
     if any(b not in EXL2_BITS for b in bits):
-        raise bad(f"q_groups holds bit widths {sorted(set(bits))}, allowed {list(EXL2_BITS)}")
+        raise bad("q_groups", f"bit widths {sorted(set(bits))}, allowed {list(EXL2_BITS)}")
     if any(a < b for a, b in zip(bits, bits[1:])):
-        raise bad("q_groups bit widths are not in non-increasing order")
+        raise bad("q_groups", f"bit widths {bits} are not in non-increasing order")
     if pairs[0][1] != 0:
-        raise bad("q_groups does not start at packed row 0")
-    rows, end = 0, 0
-    for i, (b, start) in enumerate(pairs):
-        nxt = pairs[i + 1][1] if i + 1 < len(pairs) else None
-        if nxt is not None:
-            if nxt <= start or (nxt - start) * 32 % b:
-                raise bad(f"q_groups row starts are inconsistent at group {i}")
-            rows += (nxt - start) * 32 // b
-        else:
-            last = w.in_features - rows
-            if last <= 0 or last * b % 32:
-                raise bad(f"q_groups describe {rows} rows before the last group, in_features is {w.in_features}")
-            end = start + last * b // 32
-    if end != w.q_weight.shape[0]:
-        raise bad(f"q_groups describe {end} packed rows, q_weight has {w.q_weight.shape[0]}")
+        raise bad("q_groups", f"the first group starts at packed row {pairs[0][1]}, not 0")
+    rows = 0
+    for i, ((b, start), (_, nxt)) in enumerate(zip(pairs, pairs[1:])):
+        if nxt <= start or (nxt - start) * 32 % b:
+            raise bad("q_groups", f"group {i} ({b}-bit) spans packed rows {start}..{nxt}, not a whole number of "
+                                  f"rows")
+        rows += (nxt - start) * 32 // b
+    b, start = pairs[-1]
+    last = w.in_features - rows
+    if last <= 0 or last * b % 32:
+        raise bad("q_groups", f"the groups before the last cover {rows} rows, which leaves {last} rows of "
+                              f"{b}-bit codes for in_features {w.in_features}")
+    if start + last * b // 32 != w.q_weight.shape[0]:
+        raise bad("q_weight", f"{w.q_weight.shape[0]} packed rows, but q_groups describe "
+                              f"{start + last * b // 32}")
     perm = w.q_invperm.to(torch.int64)
     if not torch.equal(torch.sort(perm).values, torch.arange(w.in_features)):
-        raise bad("q_invperm is not a permutation of 0..in_features-1")
+        raise bad("q_invperm", f"not a permutation of 0..{w.in_features - 1}")
+    if not torch.isfinite(w.q_scale_max).all():
+        raise bad("q_scale_max", "holds inf/NaN")
 
 
-def load(store: TensorStore, key: str, k: int, n: int, bias: bool) -> QuantLinear:
-    check(store, key, k, n, bias)
+def load(store: TensorStore, key: str, k: int, n: int) -> Exl2Weight:
+    check(store, key, k, n)
     w = Exl2Weight(*(store.get(f"{key}.{t}") for t in ("q_weight", "q_scale", "q_scale_max", "q_groups",
                                                       "q_invperm")), in_features=k, out_features=n)
-    _check_content(w, key, store.info(f"{key}.q_weight").file)
-    b = store.get(f"{key}.bias")[:n] if bias else None
-    return QuantLinear(w, b)
+    _check_content(w, key, store)
+    return w

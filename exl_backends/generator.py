@@ -1,0 +1,393 @@
+"""Generator: many generation jobs on one model and one paged KV cache, batched together step by step.
+
+One step (`_step`):
+  1. the scheduler picks the step's jobs: every decoding job, then prefill chunks within the token budget,
+     admitting queued jobs while their pages can be promised (scheduler.py);
+  2. speculative decoding only: drafts are proposed for the decoding jobs (speculative.py);
+  3. one Batch with all their new tokens goes through the model (`_forward`, the one place the model is called);
+  4. per job: choose the next token (sample it, or verify the drafted ones), commit it, check stops and banned
+     strings, queue the text that became safe to show (job.py, detokenizer.py);
+  5. finished jobs leave at once; their full pages stay cached for prefix reuse until memory is needed (pages.py).
+
+Context: a prompt must leave room for one new token (len(prompt) < max_seq_len, else ContextLengthError);
+max_new_tokens is then cut to what fits in max_seq_len, and the job ends with finish_reason "length" there.
+
+Threading: a job is consumed by iterating it (`stream`, `generate` and `Job.result` do). A consumer whose job has
+nothing queued runs steps itself, under the generator's lock, until it has; each step advances every job. So any
+number of threads can consume at once (a server can give each request's iteration to `asyncio.to_thread`) and
+share the steps. `submit` only queues the job (it takes no lock and never waits on a step); `cancel` takes the lock,
+so it waits for a running step to end, then frees the job's pages at once. An error in the forward pass fails every
+job; an error in one job's sampling or constraint fails only that job. Both reach the job's consumer."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from .batch import Batch, SeqChunk
+from .cache import KVCache
+from .errors import ConfigError, ContextLengthError, SamplingError
+from .job import Chunk, Completion, Job
+from .pages import PageManager
+from .runner import Runner
+from .sampling import SampleResult, SamplerState, SamplingParams, draw, greedy, probs, sample
+from .scheduler import Scheduler
+from .speculative import DraftModel, NgramIndex, verify
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Generator:
+    def __init__(self, model, draft_model=None, ngram_draft: bool = False, max_batch_size: int = 32,
+                 max_seq_len: int | None = None, cache_tokens: int | None = None, page_size: int | None = None,
+                 max_step_tokens: int = 2048, n_draft_tokens: int = 4, cuda_graphs: bool = True):
+        """model: an ExlForCausalLM. cache_tokens: KV cache size in tokens, shared by all jobs (default
+        max_seq_len: one full-length job). max_step_tokens: tokens per forward pass, the prefill chunk budget.
+        draft_model (an ExlForCausalLM with the same vocabulary) or ngram_draft=True: speculative decoding with
+        up to n_draft_tokens drafted tokens per step. cuda_graphs=False runs decode steps eagerly (debugging)."""
+        if draft_model is not None and ngram_draft:
+            raise ConfigError("choose one way of drafting: draft_model or ngram_draft=True")
+        for name, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
+                            ("n_draft_tokens", n_draft_tokens)):
+            if value < 1:
+                raise ConfigError(f"Generator {name} must be at least 1, got {value}")
+        self.model, self.tokenizer = model, model.tokenizer
+        self.config = model.exl_config
+        self.max_seq_len = max_seq_len or model.max_seq_len
+        self.page_size = page_size or model.page_size
+        graphs = cuda_graphs and model.device.type == "cuda"
+        n_pages = -(-(cache_tokens or self.max_seq_len) // self.page_size) + graphs   # graphs take a trash page
+        self.cache = KVCache(self.config, n_pages, self.page_size, model.cache_mode, model.device, model.dtype)
+        self.runner = Runner(model.model, self.cache, max_batch_size, -(-self.max_seq_len // self.page_size),
+                             eager=not graphs)       # before anything counts free pages: it takes one
+        self.pages = PageManager(self.cache.pool, self.page_size)
+        self.draft = DraftModel(draft_model, model, n_pages, self.page_size) if draft_model is not None else None
+        self.ngram = ngram_draft
+        n_draft = n_draft_tokens if self.draft is not None or ngram_draft else 0
+        self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self._grammar_tokenizer = None
+        self.capacity_pages = self.cache.pool.n_free     # what jobs may use: all that is free once set up
+        self._lock = threading.Lock()
+        self._inbox: deque[Job] = deque()
+
+    # ---- the public API -------------------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int] | list[dict], max_new_tokens: int = 256,
+               sampling: SamplingParams | None = None, stop: str | Iterable[str] | None = (),
+               banned_strings: Iterable[str] | None = (), stop_token_ids: Iterable[int] | None = None,
+               json_schema: dict | str | None = None, json_object: bool = False, regex: str | None = None,
+               logprobs: int = 0, min_new_tokens: int = 0, include_stop: bool = False,
+               add_bos: bool | None = None) -> Job:
+        """Queues a job and returns it; iterate it for its chunks, or call .result().
+
+        prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered with the tokenizer's
+        chat template; its special tokens then also stop the job). sampling None: greedy. stop_token_ids None:
+        the model's EOS tokens. logprobs: how many top alternatives to report with each token's logprob (0: no
+        logprobs). add_bos (text prompts): None follows the tokenizer, True ensures a BOS, False adds none."""
+        ids, template_stops = self._encode(prompt, add_bos)
+        stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        banned = tuple(banned_strings or ())
+        if any(not s for s in stop_strings + banned):
+            raise ValueError("stop strings and banned strings must not be empty")
+        max_tokens = self._check_lengths(ids, max_new_tokens, min_new_tokens)
+        params = sampling or GREEDY
+        if self.scheduler.n_draft and params.mirostat_tau > 0:
+            raise SamplingError("mirostat (mirostat_tau > 0) cannot be used with speculative decoding: drafted "
+                                "tokens would not move its state; use a Generator without drafting")
+        if logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+        stop_ids = (self.eos_ids if stop_token_ids is None else frozenset(stop_token_ids)) | template_stops
+        job = Job(ids, max_tokens, len(ids) + min_new_tokens, SamplerState(params, ids, self.tokenizer),
+                  self._constraint(json_schema, json_object, regex), stop_ids, stop_strings, banned, include_stop,
+                  logprobs, self.tokenizer, NgramIndex() if self.ngram else None, self._advance)
+        if self.draft is not None:
+            job.n_draft_cached = 0
+        self._inbox.append(job)
+        return job
+
+    def stream(self, prompt, **kwargs) -> Iterator[Chunk]:
+        """The job's chunks as they come (see submit for the arguments; they are checked at once). Closing the
+        iterator early cancels the job."""
+        return self._stream(self.submit(prompt, **kwargs))
+
+    def _stream(self, job: Job) -> Iterator[Chunk]:
+        try:
+            yield from job
+        finally:
+            if not job.is_done:
+                self.cancel(job)
+
+    def generate(self, prompt, **kwargs) -> Completion:
+        """The whole completion (see submit for the arguments); str() of it is the text."""
+        return self.submit(prompt, **kwargs).result()
+
+    def cancel(self, job: Job) -> None:
+        """Ends a job now and frees its pages; its consumer gets a last chunk with finish_reason "cancelled"."""
+        with self._lock:
+            if job.is_done:
+                return
+            if job in self._inbox:
+                self._inbox.remove(job)
+            self.scheduler.drop(job)
+            job.finish("cancelled")
+            self._emit(job)
+
+    # ---- prompts --------------------------------------------------------------------------------------------------
+
+    def _encode(self, prompt, add_bos: bool | None) -> tuple[list[int], frozenset[int]]:
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special_tokens=add_bos is not False)
+            if add_bos and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
+                ids = [tok.bos_token_id] + ids
+            return ids, frozenset()
+        prompt = list(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False), template_stop_ids(tok)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 to {self.config.vocab_size - 1})")
+        return ids, frozenset()
+
+    def _check_lengths(self, ids: list[int], max_new_tokens: int, min_new_tokens: int) -> int:
+        """The job's bound on prompt + generated tokens."""
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1 or not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(f"need 1 <= max_new_tokens and 0 <= min_new_tokens <= max_new_tokens, got "
+                             f"max_new_tokens={max_new_tokens}, min_new_tokens={min_new_tokens}")
+        if len(ids) >= self.max_seq_len:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens and max_seq_len is {self.max_seq_len}: no "
+                                     f"room for a new token; shorten the prompt or load the model with a larger "
+                                     f"max_seq_len")
+        max_tokens = min(len(ids) + max_new_tokens, self.max_seq_len)
+        capacity = self.capacity_pages * self.page_size
+        if self.scheduler.pages_for(max_tokens) > self.capacity_pages:
+            raise ContextLengthError(f"the job needs {max_tokens} tokens of cache (prompt {len(ids)} + up to "
+                                     f"{max_tokens - len(ids)} new), the generator's cache holds {capacity}; "
+                                     f"lower max_new_tokens or make the Generator with a larger cache_tokens")
+        return max_tokens
+
+    def _constraint(self, json_schema, json_object: bool, regex: str | None):
+        if json_schema is None and not json_object and regex is None:
+            return None
+        from .constraints import Constraint, GrammarTokenizer    # llguidance loads only for constrained jobs
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, sorted(self.eos_ids))
+        return Constraint(self._grammar_tokenizer, json_schema=json_schema, json_object=json_object, regex=regex)
+
+    # ---- the engine -----------------------------------------------------------------------------------------------
+
+    def _forward(self, batch: Batch) -> Tensor:
+        """The model call (swappable: a CUDA-graph runner replays decode steps). f32 logits [R, V]."""
+        return self.runner.forward(batch)
+
+    def _advance(self, job: Job) -> None:
+        """Runs one step for a consumer whose job has nothing queued."""
+        with self._lock:
+            if job._chunks or job.is_done:
+                return
+            try:
+                progressed = self._step()
+            except Exception as e:
+                self._fail_all(e)
+                raise
+            if not progressed:
+                raise RuntimeError("the generator has nothing to run, yet a job is unfinished")
+
+    def _step(self) -> bool:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        plan = self.scheduler.schedule()
+        if not plan:
+            return False
+        drafts = self._propose([(job, width - 1) for job, width in plan if job.is_decoding and width > 1])
+        chunks = [self._chunk(job, width, drafts) for job, width in plan]
+        prefills = [(job, c) for (job, _), c in zip(plan, chunks) if not job.is_decoding]
+        rows = logit_rows(plan, chunks)
+        device = self.model.device
+        batch = Batch.build(chunks, self.page_size, device)
+        flat_rows = torch.tensor([r for rs in rows for r in rs], dtype=torch.int64, device=device)
+        logits = self._forward(replace(batch, logit_rows=flat_rows))
+        if self.draft is not None and prefills:
+            self._draft_prefill(prefills)
+        self._take_tokens(plan, chunks, rows, logits, drafts)
+        return True
+
+    def _chunk(self, job: Job, width: int, drafts: dict) -> SeqChunk:
+        """The job's tokens for this step: its next prompt chunk, or its newest token and the drafted ones."""
+        if job.is_decoding:
+            return SeqChunk(job.tokens[-1:] + drafts.get(job, ([], None))[0], job.n_cached, job.pages)
+        return SeqChunk(job.tokens[job.n_cached:job.n_cached + width], job.n_cached, job.pages)
+
+    def _take_tokens(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range],
+                     logits: Tensor, drafts: dict) -> None:
+        """Commits each job's tokens from its logits rows, then retires finished jobs and queues text."""
+        top = greedy(logits).tolist() if any(job.is_plain_greedy for job, _ in plan) else None   # one host sync
+        first = 0
+        for (job, _), chunk, rs in zip(plan, chunks, rows):
+            job.n_cached += len(chunk.tokens)
+            if rs:
+                drafted, qs = drafts.get(job, ([], None))
+                self._decide(job, logits[first:first + len(rs)], top[first:first + len(rs)] if top else None,
+                             drafted, qs)
+                first += len(rs)
+            # K/V past the last committed token belong to rejected drafts or taken-back tokens: not cached
+            job.n_cached = min(job.n_cached, len(job.tokens) - 1)
+            if job.n_draft_cached is not None:
+                job.n_draft_cached = min(job.n_draft_cached, len(job.tokens) - 1)
+            self.scheduler.register(job, min(job.n_computed, job.n_prompt))
+            if job.is_finished:
+                self.scheduler.drop(job)
+            self._emit(job)
+
+    def _decide(self, job: Job, logits: Tensor, top: list[int] | None, drafted: list[int],
+                qs: list[Tensor] | None) -> None:
+        """Commits the job's next tokens from its logits rows [1 + len(drafted), V]: row i gives the token after
+        drafted[:i]; drafted tokens are kept while the chosen token equals them."""
+        try:
+            for i in range(logits.shape[0]):
+                draft = drafted[i] if i < len(drafted) else None
+                token, logprob = self._choose(job, logits[i], top[i] if top else None, draft,
+                                              qs[i] if qs and draft is not None else None)
+                if not job.commit(token, logprob) or token != draft:
+                    return
+        except Exception as e:      # a constraint or sampling failure ends this job only
+            job._error = e
+            job.finish("error")
+
+    def _choose(self, job: Job, logits: Tensor, top: int | None, draft: int | None,
+                q: Tensor | None) -> tuple[int, SampleResult | None]:
+        mask = job.mask(len(job.tokens), logits.shape[-1], logits.device)
+        if job.is_plain_greedy and mask is None and not job.n_logprobs:
+            return top, None
+        if draft is None or job.state.params.is_greedy:
+            result = sample(logits, job.state, mask, job.n_logprobs)
+            return result.token, result if job.n_logprobs else None
+        token = verify(probs(logits, job.state, mask), q, draft, job.state.rng)
+        return token, logprob(logits, token, job.n_logprobs) if job.n_logprobs else None
+
+    def _emit(self, job: Job) -> None:
+        chunk = job.next_chunk() if job._error is None else None
+        if chunk is not None:
+            job._chunks.append(chunk)
+        if job.is_finished:
+            job._closed = True
+
+    def _fail_all(self, error: Exception) -> None:
+        jobs = list(self._inbox) + list(self.scheduler.waiting) + list(self.scheduler.running)
+        self._inbox.clear()
+        for job in jobs:
+            self.scheduler.drop(job)
+            job._error = error
+            job.finish("error")
+            job._closed = True
+
+    # ---- speculative decoding -------------------------------------------------------------------------------------
+
+    def _propose(self, decoders: list[tuple[Job, int]]) -> dict[Job, tuple[list[int], list[Tensor] | None]]:
+        """Drafted tokens (and the draft distributions they were drawn from, None when chosen deterministically)
+        for each (job, at most k tokens)."""
+        if not decoders:
+            return {}
+        if self.ngram:
+            return {job: (self._allowed_prefix(job, job.ngram.propose(job.tokens, k)), None) for job, k in decoders}
+        return self._draft_model_proposals(decoders)
+
+    def _allowed_prefix(self, job: Job, tokens: list[int]) -> list[int]:
+        """The longest prefix of tokens that the job's masks allow, position by position."""
+        n = 0
+        for t in tokens:
+            mask = job.mask(len(job.tokens) + n, self.config.vocab_size, torch.device("cpu"))
+            if mask is not None and not mask[t]:
+                break
+            if job.constraint is not None:
+                job.constraint.advance(t)
+            n += 1
+        if job.constraint is not None:
+            job.constraint.rollback(n)
+        return tokens[:n]
+
+    def _draft_model_proposals(self, decoders: list[tuple[Job, int]]) -> dict:
+        want = dict(decoders)
+        drafted = {job: [] for job in want}
+        qs = {job: [] for job in want}
+        for i in range(max(want.values())):
+            active = [job for job in want if len(drafted[job]) == i < want[job]]
+            if not active:
+                break
+            chunks = []
+            for job in active:
+                seq = job.tokens + drafted[job]
+                chunks.append(SeqChunk(seq[job.n_draft_cached:], job.n_draft_cached, job.pages))
+                job.n_draft_cached = len(seq)
+            logits = self.draft.forward(Batch.build(chunks, self.page_size, self.model.device))
+            for job, row in zip(active, logits):
+                token, q = self._draft_token(job, row, len(job.tokens) + i)
+                if token is None:
+                    continue
+                drafted[job].append(token)
+                qs[job].append(q)
+                job.state.accept(token)
+                if job.constraint is not None:
+                    job.constraint.advance(token)
+        for job, tokens in drafted.items():
+            job.state.rollback(len(tokens))
+            if job.constraint is not None:
+                job.constraint.rollback(len(tokens))
+        return {job: (drafted[job], qs[job]) for job in want}
+
+    def _draft_token(self, job: Job, logits: Tensor, position: int) -> tuple[int | None, Tensor | None]:
+        """The draft model's proposal at position, drawn as the job would sample (None: nothing to propose)."""
+        if job.constraint is not None and job.constraint.is_finished():
+            return None, None
+        try:
+            dist = probs(logits, job.state, job.mask(position, logits.shape[-1], logits.device))
+        except SamplingError:       # nothing allowed: the target's own step will report it
+            return None, None
+        if job.state.params.is_greedy:
+            return int(dist.argmax()), None
+        return draw(dist, job.state.rng), dist
+
+    def _draft_prefill(self, pairs: list[tuple[Job, SeqChunk]]) -> None:
+        """Runs the target's prefill chunks through the draft model too, so its cache holds the prompts."""
+        batch = Batch.build([c for _, c in pairs], self.page_size, self.model.device)
+        self.draft.forward(replace(batch, logit_rows=torch.zeros(0, dtype=torch.int64, device=self.model.device)))
+        for job, c in pairs:
+            job.n_draft_cached = c.start + len(c.tokens)
+
+
+def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:
+    """Per job, the batch rows whose logits it needs: from the row of its newest token on (that row and one per
+    drafted token); none for a chunk that ends inside the prompt."""
+    rows, end = [], 0
+    for (job, _), chunk in zip(plan, chunks):
+        end += len(chunk.tokens)
+        n = max(0, chunk.start + len(chunk.tokens) - len(job.tokens) + 1)
+        rows.append(range(end - n, end))
+    return rows
+
+
+def logprob(logits: Tensor, token: int, n_top: int) -> SampleResult:
+    """The token's logprob and the n_top most likely tokens, from the raw logits (as sampling.sample reports)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    best = torch.topk(logp, min(n_top, logp.numel()))
+    return SampleResult(token, logp[token].item(), list(zip(best.indices.tolist(), best.values.tolist())))
+
+
+def template_stop_ids(tokenizer) -> frozenset[int]:
+    """Special tokens the chat template writes (other than BOS): a reply ends at any of them (<|im_end|>,
+    <|eot_id|>, <end_of_turn>, ...)."""
+    template = str(tokenizer.chat_template or "")
+    return frozenset(i for i, t in tokenizer.added_tokens_decoder.items()
+                     if t.special and t.content in template and i != tokenizer.bos_token_id)

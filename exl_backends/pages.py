@@ -1,0 +1,92 @@
+"""Cache pages with prefix reuse: reference counts, a hash per full page, and an LRU of pages no job holds.
+
+A full page is named by a hash chained over the token ids of every page before it, so equal hashes mean equal
+prefixes (BLAKE2b: no prompt can be crafted to collide with another's prefix). Pages a job fills are registered
+under their hash; when the job ends they stay in the cache, unowned, until a new page is needed and no free one is
+left (least recently used first). A job whose prompt starts with registered pages takes them instead of computing
+them again. A page shared by several jobs is only read: jobs reuse whole pages, and each writes from the first
+page it does not share."""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from .cache import PagePool
+
+
+def page_hashes(tokens: list[int], page_size: int, n_pages: int, known: list[bytes]) -> list[bytes]:
+    """Chained hashes of the first n_pages full pages of tokens; `known` (a prefix of the answer) is extended."""
+    hashes = list(known)
+    for i in range(len(hashes), n_pages):
+        page = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
+        hashes.append(hashlib.blake2b((hashes[-1] if hashes else b"") + page, digest_size=16).digest())
+    return hashes
+
+
+class PageManager:
+    def __init__(self, pool: PagePool, page_size: int):
+        self.pool, self.page_size = pool, page_size
+        self.refs: dict[int, int] = {}              # page -> number of jobs holding it
+        self.page_of: dict[bytes, int] = {}         # hash -> registered page
+        self.hash_of: dict[int, bytes] = {}         # registered page -> hash
+        self.unowned: OrderedDict[int, None] = OrderedDict()   # registered pages no job holds, oldest first
+
+    @property
+    def n_available(self) -> int:
+        """Pages a job could get now: free ones plus registered ones nobody holds (evicted on demand)."""
+        return self.pool.n_free + len(self.unowned)
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The registered pages of the longest prefix of `hashes`."""
+        pages = []
+        for h in hashes:
+            page = self.page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def n_unowned(self, pages: list[int]) -> int:
+        return sum(p in self.unowned for p in pages)
+
+    def hold(self, pages: list[int]) -> None:
+        """Takes a reference to pages already in the cache (a matched prefix)."""
+        for p in pages:
+            self.unowned.pop(p, None)
+            self.refs[p] = self.refs.get(p, 0) + 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n pages for one job: free ones first, then the least recently used unowned ones."""
+        if n > self.n_available:
+            raise MemoryError(f"{n} cache pages requested, {self.n_available} available")
+        n_free = min(n, self.pool.n_free)
+        pages = self.pool.allocate(n_free)
+        for _ in range(n - n_free):
+            page, _ = self.unowned.popitem(last=False)
+            self._forget(page)
+            pages.append(page)
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        """Drops one reference per page; a registered page nobody holds stays cached, any other one is freed."""
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p]:
+                continue
+            del self.refs[p]
+            if p in self.hash_of:
+                self.unowned[p] = None
+            else:
+                self.pool.release([p])
+
+    def register(self, page: int, h: bytes) -> None:
+        """Marks a full page (its K/V computed) as holding the prefix named by h. When another page already holds
+        that prefix (two jobs computed it at once), this one stays private and is freed when its job ends."""
+        if h not in self.page_of:
+            self.page_of[h], self.hash_of[page] = page, h
+
+    def _forget(self, page: int) -> None:
+        del self.page_of[self.hash_of.pop(page)]

@@ -1,0 +1,90 @@
+"""Who runs in the next step, and the cache pages they take.
+
+Every decoding job runs each step (one token, plus its drafted tokens); the rest of the step's token budget goes
+to prefill chunks, oldest job first, then to queued jobs, admitted first come first served. A job is admitted only
+when the pages it could ever need (prompt + max_new_tokens, less the prefix it reuses) fit in what is free or
+evictable after the pages promised to running jobs. It then takes pages as it grows, and growth never fails: a
+running job is never evicted or stalled, and a job that does not fit waits in the queue until others finish.
+A prompt reuses the cached pages of its prefix that are computed when it is admitted (jobs admitted in the same
+step compute a common prefix each)."""
+from __future__ import annotations
+
+from collections import deque
+
+from .job import Job
+from .pages import PageManager, page_hashes
+
+
+class Scheduler:
+    def __init__(self, pages: PageManager, max_batch_size: int, max_step_tokens: int, n_draft: int):
+        self.pages, self.page_size = pages, pages.page_size
+        self.max_batch_size, self.max_step_tokens, self.n_draft = max_batch_size, max_step_tokens, n_draft
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    def schedule(self) -> list[tuple[Job, int]]:
+        """(job, how many tokens it may feed) for each job of the next step, with pages for them allocated.
+        A decoding job's width counts its newest token and up to n_draft drafted ones."""
+        plan = [(job, 1 + min(self.n_draft, job.max_tokens - len(job.tokens) - 1))
+                for job in self.running if job.is_decoding]
+        budget = self.max_step_tokens - sum(width for _, width in plan)
+        for job in self.running:
+            if budget <= 0:
+                break
+            if not job.is_decoding:
+                plan.append((job, min(len(job.tokens) - job.n_cached, budget)))
+                budget -= plan[-1][1]
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch_size and self._admit(self.waiting[0]):
+            job = self.waiting.popleft()
+            plan.append((job, min(len(job.tokens) - job.n_cached, budget)))
+            budget -= plan[-1][1]
+        for job, width in plan:
+            self._grow(job, job.n_cached + width)
+        return plan
+
+    def drop(self, job: Job) -> None:
+        """Takes a finished or cancelled job out; its confirmed full pages stay cached for reuse."""
+        if job in self.waiting:
+            self.waiting.remove(job)
+        elif job in self.running:
+            self.running.remove(job)
+            self.register(job, job.n_computed)
+            self.pages.release(job.pages)
+            job.pages = []
+
+    def register(self, job: Job, n_tokens: int) -> None:
+        """Registers the job's full pages among its first n_tokens (their K/V final) for prefix reuse."""
+        n_full = n_tokens // self.page_size
+        if n_full <= job.n_registered:
+            return
+        job.hashes = page_hashes(job.tokens, self.page_size, n_full, job.hashes)
+        for i in range(job.n_registered, n_full):
+            self.pages.register(job.pages[i], job.hashes[i])
+        job.n_registered = n_full
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _admit(self, job: Job) -> bool:
+        # reuse at most the pages before the prompt's last token: that token must run to give the first logits
+        job.hashes = page_hashes(job.tokens, self.page_size, (job.n_prompt - 1) // self.page_size, job.hashes)
+        shared = self.pages.match(job.hashes)
+        promised = sum(self.pages_for(j.max_tokens) - len(j.pages) for j in self.running)
+        need = self.pages_for(job.max_tokens) - len(shared)
+        if need > self.pages.n_available - self.pages.n_unowned(shared) - promised:
+            return False
+        self.pages.hold(shared)
+        job.pages, job.n_registered = shared, len(shared)
+        job.n_cached = job.n_reused = len(shared) * self.page_size
+        if job.n_draft_cached is not None:
+            job.n_draft_cached = job.n_cached
+        self.running.append(job)
+        return True
+
+    def _grow(self, job: Job, n_tokens: int) -> None:
+        missing = self.pages_for(n_tokens) - len(job.pages)
+        if missing > 0:
+            job.pages += self.pages.allocate(missing)

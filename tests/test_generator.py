@@ -1,0 +1,305 @@
+"""The generation engine on a tiny random Llama (CPU): agreement with transformers, batching, joining, prefix reuse,
+cancellation, queueing for pages, context limits, stop tokens, banned strings, logprobs, threads, constraints."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import threading
+
+import pytest
+import torch
+
+from exl_backends import ExlForCausalLM
+from exl_backends.errors import ContextLengthError
+from exl_backends.generator import Generator, template_stop_ids
+from exl_backends.sampling import SamplingParams
+
+from conftest import save_tiny, tiny_config
+
+PAGE = 16
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    hf = save_tiny(path, tiny_config("llama"))
+    return ExlForCausalLM.from_pretrained(path, device="cpu"), hf
+
+
+def make(model, **kw) -> Generator:
+    kw.setdefault("cache_tokens", 4096)
+    return Generator(model, page_size=PAGE, **kw)
+
+
+def random_prompts(n: int, seed: int, low: int = 5, high: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(0, 509, (k,), generator=g).tolist() for k in lengths]
+
+
+def alone(model, prompt, **kw) -> list[int]:
+    """Greedy output of prompt run by itself on a fresh generator, no EOS stop."""
+    return make(model).generate(prompt, max_new_tokens=kw.pop("max_new_tokens", NEW), stop_token_ids=[],
+                                **kw).token_ids
+
+
+def counting(gen: Generator) -> list:
+    """Records every batch the generator runs through the model."""
+    batches = []
+    forward = gen._forward
+
+    def wrapped(batch):
+        batches.append(batch)
+        return forward(batch)
+    gen._forward = wrapped
+    return batches
+
+
+def test_greedy_equals_transformers(tiny):
+    model, hf = tiny
+    gen = make(model)
+    for prompt in random_prompts(3, seed=1):
+        ours = gen.generate(prompt, max_new_tokens=32)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+        assert ours.token_ids == ref[:len(ours.token_ids)]
+        assert len(ours.token_ids) == 32 or ours.token_ids[-1] == 510
+        assert ours.text == model.tokenizer.decode(ours.token_ids, skip_special_tokens=True)
+        assert str(ours) == ours.text and ours.usage.prompt_tokens == len(prompt)
+
+
+def test_batched_equals_alone(tiny):
+    model, _ = tiny
+    prompts = random_prompts(8, seed=2)
+    assert len({len(p) for p in prompts}) > 4
+    gen = make(model)
+    batches = counting(gen)
+    jobs = [gen.submit(p, max_new_tokens=NEW, stop_token_ids=[]) for p in prompts]
+    results = [job.result() for job in jobs]
+    assert max(b.n_seqs for b in batches) == 8
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == alone(model, prompt)
+        assert result.finish_reason == "length" and result.usage.completion_tokens == NEW
+
+
+def test_job_joining_midway_changes_nothing(tiny):
+    model, _ = tiny
+    a, b, c = random_prompts(3, seed=3)
+    gen = make(model)
+    job_a, job_b = gen.submit(a, max_new_tokens=NEW, stop_token_ids=[]), gen.submit(b, max_new_tokens=NEW,
+                                                                                      stop_token_ids=[])
+    head = [next(job_a) for _ in range(5)]
+    job_c = gen.submit(c, max_new_tokens=NEW, stop_token_ids=[])
+    tail = list(job_a)
+    assert [t for ch in head + tail for t in ch.token_ids] == alone(model, a)
+    assert job_b.result().token_ids == alone(model, b)
+    assert job_c.result().token_ids == alone(model, c)
+
+
+def test_prefix_reuse_computes_the_prefix_once(tiny):
+    model, _ = tiny
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 509, (50,), generator=g).tolist()
+    a = prefix + torch.randint(0, 509, (10,), generator=g).tolist()
+    b = prefix + torch.randint(0, 509, (8,), generator=g).tolist()
+    gen = make(model)
+    batches = counting(gen)
+    first = gen.generate(a, max_new_tokens=8, stop_token_ids=[])
+    assert sum(x.input_ids.numel() for x in batches) == len(a) + 7 and first.usage.cached_tokens == 0
+    batches.clear()
+    second = gen.generate(b, max_new_tokens=8, stop_token_ids=[])
+    shared = 48                                    # the 3 full pages of 16 inside the 50-token prefix
+    assert second.usage.cached_tokens == shared
+    assert sum(x.input_ids.numel() for x in batches) == len(b) - shared + 7
+    assert second.token_ids == alone(model, b, max_new_tokens=8)
+    # the next turn of a conversation reuses the finished job's generated tokens too
+    batches.clear()
+    turn = a + first.token_ids + [5, 6, 7]
+    third = gen.generate(turn, max_new_tokens=8, stop_token_ids=[])
+    assert third.usage.cached_tokens == (len(a) + 7) // PAGE * PAGE == 64
+    assert third.token_ids == alone(model, turn, max_new_tokens=8)
+
+
+def test_cached_pages_are_evicted_when_memory_is_needed(tiny):
+    model, _ = tiny
+    gen = make(model, cache_tokens=8 * PAGE)
+    prompts = random_prompts(6, seed=5, low=30, high=40)
+    for p in prompts:                           # each leaves 2 registered pages behind; 8 pages hold 4 such
+        assert gen.generate(p, max_new_tokens=8, stop_token_ids=[]).token_ids == alone(model, p, max_new_tokens=8)
+    assert gen.pages.n_available == 8
+    # least recently used first: the last prompt is still cached, the first one is gone
+    assert gen.generate(prompts[-1], max_new_tokens=8, stop_token_ids=[]).usage.cached_tokens > 0
+    assert gen.generate(prompts[0], max_new_tokens=8, stop_token_ids=[]).usage.cached_tokens == 0
+
+
+def test_cancel_frees_pages_at_once(tiny):
+    model, _ = tiny
+    gen = make(model, cache_tokens=16 * PAGE)
+    job = gen.submit(random_prompts(1, seed=6)[0], max_new_tokens=100, stop_token_ids=[])
+    next(job)
+    assert gen.cache.pool.n_free < 16 and job.pages
+    gen.cancel(job)
+    assert gen.pages.n_available == 16 and not gen.scheduler.running and not job.pages
+    rest = list(job)
+    assert rest[-1].finish_reason == "cancelled" and job.is_done
+    # closing a stream early cancels its job
+    stream = gen.stream(random_prompts(1, seed=7)[0], max_new_tokens=100, stop_token_ids=[])
+    next(stream)
+    stream.close()
+    assert gen.pages.n_available == 16 and not gen.scheduler.running
+
+
+def test_more_jobs_than_pages_wait_and_all_finish(tiny):
+    model, _ = tiny
+    gen = make(model, cache_tokens=8 * PAGE)   # a job of 20 + 20 tokens takes 3 pages: two fit at once
+    batches = counting(gen)
+    prompts = [p[:20] for p in random_prompts(6, seed=8, low=20, high=30)]
+    jobs = [gen.submit(p, max_new_tokens=20, stop_token_ids=[]) for p in prompts]
+    results = [job.result() for job in jobs]
+    assert max(b.n_seqs for b in batches) == 2
+    for p, r in zip(prompts, results):
+        assert r.token_ids == alone(model, p, max_new_tokens=20)
+
+
+def test_prompt_longer_than_context_raises(tiny):
+    model, _ = tiny
+    gen = make(model, max_seq_len=64, cache_tokens=256)
+    with pytest.raises(ContextLengthError, match=r"70 tokens.*max_seq_len is 64"):
+        gen.submit(list(range(70)))
+    with pytest.raises(ContextLengthError):
+        gen.submit(list(range(64)))
+    # a prompt that fits gets at most what is left of the context
+    r = gen.generate(list(range(60)), max_new_tokens=50, stop_token_ids=[])
+    assert r.finish_reason == "length" and len(r.token_ids) == 4
+    # a job that could never fit in the cache is refused, not queued forever
+    with pytest.raises(ContextLengthError, match="cache_tokens"):
+        make(model, cache_tokens=2 * PAGE).submit(list(range(20)), max_new_tokens=20)
+
+
+def test_stop_token_and_min_new_tokens(tiny):
+    model, _ = tiny
+    prompt = random_prompts(1, seed=9)[0]
+    free = alone(model, prompt)
+    stop = free[5]
+    first = free.index(stop)
+    r = make(model).generate(prompt, max_new_tokens=NEW, stop_token_ids=[stop])
+    assert r.finish_reason == "stop" and r.token_ids == free[:first + 1]
+    assert r.text == model.tokenizer.decode(free[:first])
+    r = make(model).generate(prompt, max_new_tokens=NEW, stop_token_ids=[stop], min_new_tokens=first + 2)
+    assert stop not in r.token_ids[:first + 2] and len(r.token_ids) >= first + 2
+
+
+def test_chunked_prefill_keeps_decoding_and_matches(tiny):
+    model, _ = tiny
+    short, long = random_prompts(1, seed=10, high=30)[0], random_prompts(1, seed=11, low=150, high=151)[0]
+    gen = make(model, max_step_tokens=32)
+    batches = counting(gen)
+    job_short = gen.submit(short, max_new_tokens=NEW, stop_token_ids=[])
+    head = next(job_short).token_ids
+    job_long = gen.submit(long, max_new_tokens=8, stop_token_ids=[])
+    assert job_long.result().token_ids == alone(model, long, max_new_tokens=8)
+    assert head + job_short.result().token_ids == alone(model, short)
+    assert all(b.input_ids.numel() <= 32 for b in batches)
+    prefill_steps = [b for b in batches if b.input_ids.numel() > b.n_seqs]
+    assert len(prefill_steps) >= 150 // 32 and all(b.n_seqs == 2 for b in prefill_steps[1:])
+
+
+def test_banned_string_is_never_produced(tiny):
+    model, _ = tiny
+    tok = model.tokenizer
+    prompt = random_prompts(1, seed=12)[0]
+    free = make(model).generate(prompt, max_new_tokens=NEW, stop_token_ids=[])
+    # ban a piece of the free text that spans a token boundary
+    ends = [len(tok.decode(free.token_ids[:i + 1])) for i in range(len(free.token_ids))]
+    cut = next(e for e in ends[2:] if 0 < e < len(free.text) - 2)
+    banned = free.text[cut - 2:cut + 2]
+    gen = make(model)
+    r = gen.generate(prompt, max_new_tokens=NEW, stop_token_ids=[], banned_strings=[banned])
+    assert banned not in r.text and len(r.token_ids) == NEW
+    assert r.text == tok.decode(r.token_ids)
+    # the text is the same up to the token in which the banned string started: that token was resampled
+    kept = max(e for e in [0] + ends if e <= free.text.index(banned))
+    assert r.text[:kept] == free.text[:kept] and r.text[kept:] != free.text[kept:]
+    chunks = list(gen.stream(prompt, max_new_tokens=NEW, stop_token_ids=[], banned_strings=[banned]))
+    assert "".join(map(str, chunks)) == r.text and [t for c in chunks for t in c.token_ids] == r.token_ids
+
+
+def test_logprobs_match_the_model(tiny):
+    model, hf = tiny
+    prompt = random_prompts(1, seed=13)[0]
+    r = make(model).generate(prompt, max_new_tokens=8, stop_token_ids=[], logprobs=3)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt + r.token_ids])).logits[0].float(), -1)
+    assert len(r.logprobs) == 8
+    for i, lp in enumerate(r.logprobs):
+        row = logp[len(prompt) - 1 + i]
+        assert lp.token == r.token_ids[i] == row.argmax().item()
+        assert lp.logprob == pytest.approx(row[lp.token].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+
+
+def test_sampling_is_reproducible_by_seed(tiny):
+    model, _ = tiny
+    prompt = random_prompts(1, seed=14)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    one = make(model).generate(prompt, max_new_tokens=NEW, sampling=params, stop_token_ids=[])
+    gen = make(model)               # the same job in a batch with others draws the same tokens
+    others = [gen.submit(p, max_new_tokens=NEW, stop_token_ids=[], sampling=SamplingParams(temperature=1.0))
+              for p in random_prompts(3, seed=15)]
+    two = gen.generate(prompt, max_new_tokens=NEW, sampling=params, stop_token_ids=[])
+    assert one.token_ids == two.token_ids and one.token_ids != alone(model, prompt)
+    assert all(job.result().finish_reason == "length" for job in others)
+
+
+def test_threads_share_the_steps(tiny):
+    model, _ = tiny
+    prompts = random_prompts(4, seed=16)
+    gen = make(model)
+    out = {}
+
+    def consume(i):
+        out[i] = [t for chunk in gen.stream(prompts[i], max_new_tokens=NEW, stop_token_ids=[])
+                  for t in chunk.token_ids]
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(4)] == [alone(model, p) for p in prompts]
+
+
+def test_text_prompt_and_bos(tiny):
+    model, _ = tiny
+    tok = model.tokenizer
+    gen = make(model)
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    plain = gen.generate("Hello world", max_new_tokens=4, stop_token_ids=[])
+    assert plain.usage.prompt_tokens == len(ids) and plain.token_ids == alone(model, ids, max_new_tokens=4)
+    with_bos = gen.generate("Hello world", max_new_tokens=4, stop_token_ids=[], add_bos=True)
+    assert with_bos.token_ids == alone(model, [tok.bos_token_id] + ids, max_new_tokens=4)
+
+
+def test_chat_prompt_uses_the_template_and_its_stop_tokens(tiny):
+    model, _ = tiny
+    tok = model.tokenizer
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}<|pad|>{% endfor %}"
+                         "{% if add_generation_prompt %}>{% endif %}")
+    try:
+        assert template_stop_ids(tok) == {511}
+        r = make(model).generate([{"role": "user", "content": "hello"}], max_new_tokens=4, stop_token_ids=[])
+        assert r.usage.prompt_tokens == len(tok.encode("hello<|pad|>>", add_special_tokens=False))
+    finally:
+        tok.chat_template = None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance not installed")
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=1.0, seed=3)])
+def test_regex_constraint_holds(tiny, sampling):
+    model, _ = tiny
+    gen = make(model)
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    for prompt in random_prompts(3, seed=17):
+        r = gen.generate(prompt, max_new_tokens=20, regex=pattern, sampling=sampling)
+        assert re.fullmatch(pattern, r.text), r.text
+        assert r.finish_reason == "stop"
