@@ -3,6 +3,7 @@ does the work; argparse carries the flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -74,9 +75,73 @@ def _cmd_bench(args) -> None:
     print(report(model.model, contexts, args.cache_mode, [int(n) for n in args.prefill.split(",")]))
 
 
+def _cmd_info(args) -> None:
+    from . import info
+    print(info.describe(args.model, args.max_seq_len, args.cache_mode, args.gpu_memory))
+    if args.plot:
+        print(f"wrote {info.plot(args.model, args.plot)}")
+
+
 def _cmd_import_gguf(args) -> None:
     from .formats.gguf import import_gguf
     print(f"wrote {import_gguf(args.file, args.out_dir)}")
+
+
+def _cmd_convert(args) -> None:
+    from pathlib import Path
+
+    from .convert.pipeline import ConvertOptions, convert
+    out = convert(ConvertOptions(
+        Path(args.input), Path(args.output), args.bits, head_bits=args.head_bits, calibration=args.calibration,
+        rows=args.rows, length=args.length, device=args.device, job_dir=args.job_dir and Path(args.job_dir),
+        measurement=args.measurement and Path(args.measurement), seed=args.seed, format=args.format,
+        group_size=args.group_size, act_order=not args.no_act_order))
+    q = json.loads((out / "quality.json").read_text())
+    print(f"wrote {out}: {q['bpw']:.3f} bpw, perplexity {q['perplexity']:.3f} (fp16 {q['perplexity_fp16']:.3f}), "
+          f"KL {q['kl_divergence']:.5f}, top-1 agreement {q['top1_agreement']:.3f} on held-out text; "
+          f"{q['conversion_seconds'] / 60:.1f} min")
+
+
+def _eval_tokens(args, model):
+    """(tokens, what they are, ctx, stride): -f FILE, else rows sampled from `model` (the fp16 reference for
+    kld), one window per row."""
+    from .convert.calibration import sample_rows
+    from .evaluate import text_tokens
+    if args.file:
+        return text_tokens(model.tokenizer, args.file, args.max_tokens), args.file, args.ctx, args.stride
+    length = min(args.ctx, 512)
+    rows = max(1, (args.max_tokens or 8 * length) // length)
+    print(f"no -f FILE: scoring {rows} rows of {length} tokens sampled from {model.name_or_path}", file=sys.stderr)
+    tokens = sample_rows(model.model, model.tokenizer, rows, length, seed=0).flatten()
+    return tokens, "sampled text", length, length
+
+
+def _progress(tokens):
+    from tqdm import tqdm
+    return tqdm(total=len(tokens) - 1, unit="tok", desc="scoring")
+
+
+def _cmd_ppl(args) -> None:
+    from . import ExlForCausalLM
+    from .evaluate import perplexity
+    model = ExlForCausalLM.from_pretrained(args.model, device=args.device, max_seq_len=args.ctx)
+    tokens, source, ctx, stride = _eval_tokens(args, model)
+    with _progress(tokens) as bar:
+        s = perplexity(model, tokens, ctx, stride, progress=bar.update)
+    print(f"perplexity {s.perplexity:.4f} on {s.tokens} tokens of {source} (ctx {ctx}, stride {stride or ctx})")
+
+
+def _cmd_kld(args) -> None:
+    from . import ExlForCausalLM
+    from .evaluate import kl_divergence
+    ref = ExlForCausalLM.from_pretrained(args.ref, device=args.device, max_seq_len=args.ctx)
+    model = ExlForCausalLM.from_pretrained(args.model, device=args.device, max_seq_len=args.ctx)
+    tokens, source, ctx, stride = _eval_tokens(args, ref)
+    with _progress(tokens) as bar:
+        s = kl_divergence(model, ref, tokens, ctx, stride, progress=bar.update)
+    print(f"mean KL divergence {s.mean_kl:.6f}, top-1 agreement {s.top1_agreement:.4f}, perplexity "
+          f"{s.perplexity:.4f} (reference {s.ref_perplexity:.4f}) on {s.tokens} tokens of {source} "
+          f"(ctx {ctx}, stride {stride or ctx})")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -133,6 +198,59 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
     p.add_argument("--prefill", default="512,2048", help="comma-separated prompt lengths (default 512,2048)")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("info", help="format, size, bits per layer and the memory plan of a model directory",
+                       description="Reads only headers: prints format, architecture, parameters, bits per weight "
+                                   "by layer, file size, and weights + KV cache + scratch for the context, with the "
+                                   "largest context that fits in the GPU's (or the given) memory.")
+    p.add_argument("model", help="model directory")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context to plan for (default: the model's)")
+    p.add_argument("--cache-mode", choices=["fp16", "q8", "q6", "q4"], default="fp16")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="memory to plan against (default: free memory of the current GPU)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw bits (and error) per layer")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("convert", help="quantize an fp16 model to EXL2 (or GPTQ), resumable",
+                       description="Measures every candidate bit mix per layer, picks one per layer to hit the "
+                                   "target bpw, quantizes layer by layer with GPTQ on calibration text, writes the "
+                                   "EXL2 directory and a quality receipt (quality.json: perplexity and KL vs fp16 "
+                                   "on held-out text). Interrupted? Run the same command again. On CPU the "
+                                   "defaults are 32 rows x 512 tokens (4 measurement rows, 8 held out); on CUDA "
+                                   "ExLlamaV2's 100 x 2048 (16 measurement rows).")
+    p.add_argument("-i", "--input", required=True, help="fp16/bf16 Hugging Face model directory")
+    p.add_argument("-o", "--output", required=True, help="output directory (must not exist, or be empty)")
+    p.add_argument("-b", "--bits", type=float, required=True,
+                   help="EXL2: target bits per weight of the decoder layers, 2.0-8.0 (lm_head not counted); "
+                        "GPTQ: 4 or 8")
+    p.add_argument("--head-bits", type=int, default=6, choices=[2, 3, 4, 5, 6, 8], help="lm_head bits (EXL2)")
+    p.add_argument("-c", "--calibration", default=None,
+                   help=".txt, .jsonl or .parquet file, or a Hugging Face dataset NAME[:CONFIG[:SPLIT]] "
+                        "(needs `datasets` and network); default: text sampled from the model itself")
+    p.add_argument("--rows", type=int, default=None, help="calibration rows of the quantization pass")
+    p.add_argument("--length", type=int, default=None, help="tokens per calibration row")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.add_argument("--job-dir", default=None, help="where progress is kept (default: OUTPUT.job)")
+    p.add_argument("--measurement", default=None, help="reuse a measurement.json (from an earlier conversion "
+                                                        "of the same model, or ExLlamaV2's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=["exl2", "gptq"], default="exl2")
+    p.add_argument("--group-size", type=int, default=128, help="GPTQ group size (-1: one group)")
+    p.add_argument("--no-act-order", action="store_true", help="GPTQ: quantize input channels in order")
+    p.set_defaults(func=_cmd_convert)
+
+    for name, helptext in (("ppl", "perplexity of a model on a text file"),
+                           ("kld", "KL divergence and top-1 agreement of a model against its fp16 original")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("-m", "--model", required=True, help="model directory")
+        if name == "kld":
+            p.add_argument("--ref", required=True, help="reference (fp16) model directory")
+        p.add_argument("-f", "--file", default=None, help="text file (default: text sampled from the model)")
+        p.add_argument("--ctx", type=int, default=2048, help="tokens per window (default 2048)")
+        p.add_argument("--stride", type=int, default=None, help="window step (default: ctx, disjoint windows)")
+        p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+        p.set_defaults(func=_cmd_ppl if name == "ppl" else _cmd_kld)
 
     p = sub.add_parser("import-gguf", help="turn a GGUF file into an HF fp16 safetensors directory",
                        description="Dequantizes FILE to fp16 and writes config, weights and tokenizer to OUT_DIR, "
