@@ -1,6 +1,14 @@
-"""ExlForCausalLM: the model as transformers users know it (from_pretrained, __call__ -> .logits, generate)."""
+"""ExlForCausalLM: the model as transformers users know it (from_pretrained, __call__ -> .logits, generate), so that
+code written for a transformers model (pipeline("text-generation"), streamers, stopping criteria, llama-index's
+HuggingFaceLLM, langchain-huggingface) runs on our engine by changing the class it loads with.
+
+generate follows transformers' contract (argument priority: kwargs > generation_config argument > the model's
+generation_config > transformers' defaults; output = prompt + new tokens, finished rows padded). Decoding runs on
+our Generator; anything transformers would do that we do not (beam search, assisted decoding, custom logits
+processors, most GenerationConfig fields) raises instead of being ignored."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,22 +39,30 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 class ExlForCausalLM:
     main_input_name = "input_ids"
+    input_modalities = ("text",)
+    output_modalities = ("text",)
     page_size = 256
 
     def __init__(self, model: Model, tokenizer, path: Path, max_seq_len: int, cache_mode: str):
+        from transformers import AutoConfig
         self.model, self.tokenizer, self.name_or_path = model, tokenizer, str(path)
         self.exl_config: ModelConfig = model.config
+        self.config = AutoConfig.from_pretrained(str(path))         # transformers' PretrainedConfig
+        self.generation_config = load_generation_config(path, self.config)
         self.max_seq_len, self.cache_mode = max_seq_len, cache_mode
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
                         max_seq_len: int | None = None, cache_mode: str = "fp16",
-                        dtype: torch.dtype | None = None) -> "ExlForCausalLM":
+                        dtype: torch.dtype | str | None = None, **hf_kwargs) -> "ExlForCausalLM":
+        """Loads a model directory (fp16/bf16/fp32, EXL2 or GPTQ safetensors). transformers' spellings are
+        accepted too: torch_dtype= (for dtype), device_map= (one device: "auto", "cuda:0", {"": 0}); and
+        local_files_only= / trust_remote_code=, which change nothing (nothing is downloaded, no code is run)."""
+        device, dtype = _hf_loading_arguments(device, dtype, hf_kwargs)
         path = Path(path)
         config = ModelConfig.from_dir(path)
         check_mode(cache_mode, config)
         checkpoint = formats.open_checkpoint(path)      # refuses AWQ, GGUF, FP8, EXL3, ... with what to do
-        device = torch.device(device) if device is not None else default_device()
         dtype = dtype or default_dtype(device)
         if device.type == "cuda":                       # before anything is allocated
             max_seq_len = planner.fit_context(checkpoint, config, max_seq_len, cache_mode,
@@ -58,16 +74,30 @@ class ExlForCausalLM:
         return cls(model, load_tokenizer(path), path, max_seq_len, cache_mode)
 
     @property
-    def config(self) -> ModelConfig:
-        return self.exl_config
-
-    @property
     def device(self) -> torch.device:
         return self.model.device
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    def can_generate(self) -> bool:
+        return True
+
+    def eval(self) -> "ExlForCausalLM":
+        return self
+
+    def to(self, *args, **kwargs) -> "ExlForCausalLM":
+        """Accepted when it asks for the device and dtype the model already has (pipelines call it); moving a
+        loaded model is not supported: load it with from_pretrained(device=..., dtype=...)."""
+        for target in list(args) + list(kwargs.values()):
+            wanted = target if isinstance(target, torch.dtype) else torch.device(target)
+            same = wanted == self.dtype if isinstance(wanted, torch.dtype) else \
+                wanted.type == self.device.type and wanted.index in (None, self.device.index)
+            if not same:
+                raise ValueError(f"ExlForCausalLM cannot move to {target} (it is on {self.device}, {self.dtype}); "
+                                 f"load it with ExlForCausalLM.from_pretrained(path, device=..., dtype=...)")
+        return self
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with room for max_tokens tokens (rounded up to whole pages)."""
@@ -97,49 +127,135 @@ class ExlForCausalLM:
         logits[mask.bool().to(flat.device)] = flat
         return CausalLMOutput(logits)
 
-    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 20,
-                 min_new_tokens: int = 0, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, streamer=None,
-                 stopping_criteria=None) -> Tensor:
-        """transformers' generate: ids [batch, prompt] (left padding marked by attention_mask = 0) -> LongTensor
-        [batch, prompt + new]. Greedy unless do_sample. A row ends at eos_token_id (default: the model's EOS
-        tokens; not before min_new_tokens), kept in the output, or when stopping_criteria(ids, None) flags it;
-        later columns of a finished row hold pad_token_id (default: the first EOS). streamer gets
-        put(input_ids), put(column) per new column, end(). Sampling seeds come from torch's global generator,
-        so transformers.set_seed applies."""
-        from .sampling import SamplingParams
-        ids = torch.as_tensor(input_ids).long()
-        if ids.dim() == 1:
-            ids = ids[None]
-        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else \
-            torch.as_tensor(attention_mask).bool().to(ids.device)
-        if (mask[:, 1:] < mask[:, :-1]).any():
-            raise ValueError("generate takes left-padded input (attention_mask 0s, then 1s): set "
-                             "tokenizer.padding_side = 'left'")
-        eos = list(self.exl_config.eos_token_ids) if eos_token_id is None else \
-            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
-        seed = int(torch.randint(0, 2**62, ()))
-        sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                   repetition_penalty=repetition_penalty, seed=seed + b) if do_sample else
-                    SamplingParams(temperature=0.0, repetition_penalty=repetition_penalty)
-                    for b in range(ids.shape[0])]
+    @torch.inference_mode()
+    def generate(self, inputs: Tensor | None = None, generation_config=None, logits_processor=None,
+                 stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None,
+                 streamer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None, custom_generate=None,
+                 **kwargs):
+        """transformers' generate. input_ids [batch, prompt] (left padding marked by attention_mask = 0; or
+        `inputs`) -> LongTensor [batch * num_return_sequences, prompt + new], or with return_dict_in_generate a
+        GenerateDecoderOnlyOutput(sequences, scores, logits).
+
+        Any GenerationConfig field may be a kwarg; supported: max_new_tokens, max_length, min_new_tokens,
+        min_length, do_sample, temperature, top_k, top_p, min_p, typical_p, repetition_penalty, eos_token_id (int
+        or list), pad_token_id, bos_token_id, stop_strings (with tokenizer=), num_return_sequences (sampling),
+        use_cache, return_dict_in_generate, output_scores, output_logits. Others raise. A row ends at an EOS token
+        (kept) or when stopping_criteria(ids, None) flags it; later columns of a finished row hold pad_token_id
+        (default: the first EOS). streamer gets put(prompt ids), put(column) per new column, end(). Sampling
+        seeds come from torch's global generator, so transformers.set_seed makes runs repeatable. scores/logits
+        are recomputed after decoding by one forward over the output (raw logits, then transformers' own
+        processors for scores)."""
+        from transformers import StoppingCriteriaList, StopStringCriteria
+        _refuse_unsupported(logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                            synced_gpus=synced_gpus, assistant_model=assistant_model,
+                            negative_prompt_ids=negative_prompt_ids,
+                            negative_prompt_attention_mask=negative_prompt_attention_mask,
+                            custom_generate=custom_generate)
+        ids, mask = self._prompt_tensors(inputs, kwargs)
+        tokenizer = kwargs.pop("tokenizer", None)
+        gc = self._resolve_config(generation_config, kwargs)
+        eos = self._eos_ids(gc)
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - ids.shape[1]
+        if max_new < 1:
+            raise ValueError(f"nothing to generate: the prompt has {ids.shape[1]} tokens and max_length is "
+                             f"{gc.max_length}; set max_new_tokens")
+        min_new = max(gc.min_new_tokens or 0, (gc.min_length or 0) - ids.shape[1], 0)
+        criteria = StoppingCriteriaList(stopping_criteria or [])
+        if gc.stop_strings:
+            if tokenizer is None:
+                raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=[...], "
+                                 "tokenizer=tokenizer)")
+            criteria.append(StopStringCriteria(tokenizer, gc.stop_strings))
+        n_ret = gc.num_return_sequences or 1
+        if n_ret > 1:
+            if not gc.do_sample:
+                raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy rows would be identical)")
+            ids, mask = ids.repeat_interleave(n_ret, 0), mask.repeat_interleave(n_ret, 0)
         prompts = [row[m].tolist() for row, m in zip(ids, mask)]
-        gen = self._generator_for(len(prompts), ids.shape[1] + max_new_tokens)
-        jobs = [gen.submit(p, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, sampling=s,
-                           stop_token_ids=eos)
-                for p, s in zip(prompts, sampling)]
+        gen = self._generator_for(len(prompts), ids.shape[1] + max_new)
+        jobs = [gen.submit(p, max_new_tokens=max_new, sampling=s, stop_token_ids=eos, min_new_tokens=min(min_new, max_new))
+                for p, s in zip(prompts, _sampling_params(gc, len(prompts)))]
         if streamer is not None:
             streamer.put(ids.cpu())
         try:
-            columns = _generate_columns(gen, ids, jobs, max_new_tokens, set(eos), pad, streamer, stopping_criteria)
+            columns = _generate_columns(gen, ids, jobs, max_new, set(eos), pad, streamer, criteria or None)
         finally:
             for job in jobs:
                 gen.cancel(job)
         if streamer is not None:
             streamer.end()
-        return torch.cat([ids, _as_rows(columns, ids)], dim=1)
+        sequences = torch.cat([ids, _as_rows(columns, ids)], dim=1)
+        if not gc.return_dict_in_generate:
+            return sequences
+        return self._output_dict(sequences, mask, ids.shape[1], gc, min_new, eos)
+
+    def _prompt_tensors(self, inputs, kwargs) -> tuple[Tensor, Tensor]:
+        """input_ids [B, T] long and attention_mask [B, T] bool, left padding checked."""
+        if inputs is not None and "input_ids" in kwargs:
+            raise ValueError("pass the prompt once: as inputs or as input_ids")
+        raw = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        if raw is None:
+            raise ValueError("generate needs input_ids (or inputs): the prompt's token ids, shape [batch, length]")
+        ids = torch.as_tensor(raw).long()
+        if ids.dim() == 1:
+            ids = ids[None]
+        attention_mask = kwargs.pop("attention_mask", None)
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else \
+            torch.as_tensor(attention_mask).bool().to(ids.device)
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            raise ValueError("generate takes left-padded input (attention_mask 0s, then 1s): set "
+                             "tokenizer.padding_side = 'left'")
+        if not mask.any(dim=1).all():
+            raise ValueError("a row of input_ids has no unmasked tokens")
+        return ids, mask
+
+    def _resolve_config(self, generation_config, kwargs):
+        """kwargs > generation_config > self.generation_config > transformers' defaults, as one GenerationConfig;
+        a kwarg that is no GenerationConfig field, or a field we do not implement, raises."""
+        from transformers import GenerationConfig
+        gc = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        unknown = gc.update(**kwargs)
+        if unknown:
+            raise TypeError(f"generate() got unsupported argument(s) {sorted(unknown)}")
+        defaults = GenerationConfig._get_default_generation_params()
+        fresh = GenerationConfig().to_dict()
+        for name, value in gc.to_dict().items():
+            if name in SUPPORTED_FIELDS or name.startswith("_") or name in ("transformers_version", "use_cache"):
+                continue
+            if value not in (None, False, fresh.get(name), defaults.get(name)):
+                raise TypeError(f"generate(): {name}={value!r} is not supported by ExlForCausalLM (supported: "
+                                 f"{sorted(SUPPORTED_FIELDS)}); leave it unset")
+        for name, value in defaults.items():
+            if getattr(gc, name, None) is None:
+                setattr(gc, name, value)
+        if gc.do_sample and gc.temperature <= 0:
+            raise ValueError(f"do_sample=True needs temperature > 0, got {gc.temperature}; use do_sample=False "
+                             f"for greedy decoding")
+        return gc
+
+    def _eos_ids(self, gc) -> list[int]:
+        eos = gc.eos_token_id
+        if eos is None:
+            return list(self.exl_config.eos_token_ids)
+        return [int(eos)] if isinstance(eos, int) or torch.is_tensor(eos) and eos.dim() == 0 else \
+            [int(e) for e in eos]
+
+    def _output_dict(self, sequences: Tensor, mask: Tensor, n_prompt: int, gc, min_new: int, eos: list[int]):
+        """GenerateDecoderOnlyOutput; scores/logits come from one forward over the finished sequences: raw
+        logits of each step (output_logits), and those logits through transformers' processors (output_scores)."""
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+        scores = logits = None
+        if gc.output_scores or gc.output_logits:
+            full_mask = torch.cat([mask, torch.ones_like(sequences[:, n_prompt:], dtype=torch.bool)], dim=1)
+            raw = self(sequences[:, :-1], full_mask[:, :-1]).logits[:, n_prompt - 1:].to(sequences.device)
+            steps = range(sequences.shape[1] - n_prompt)
+            if gc.output_logits:
+                logits = tuple(raw[:, t] for t in steps)
+            if gc.output_scores:
+                processors = _hf_processors(gc, mask, min_new, eos)
+                scores = tuple(processors(sequences[:, :n_prompt + t], raw[:, t].clone()) for t in steps)
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
 
     def _generator_for(self, batch_size: int, seq_len: int):
         """A generator with room for batch_size sequences of seq_len tokens, kept for the next call."""
@@ -189,6 +305,92 @@ def _generate_columns(gen, ids: Tensor, jobs: list, max_new_tokens: int, eos: se
 def _as_rows(columns: list[list[int]], ids: Tensor) -> Tensor:
     """Columns of new tokens -> LongTensor [batch, len(columns)] on the device of ids."""
     return torch.tensor(columns, dtype=torch.long).reshape(len(columns), ids.shape[0]).T.to(ids.device)
+
+
+SUPPORTED_FIELDS = frozenset({
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
+    "min_p", "typical_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
+    "num_return_sequences", "return_dict_in_generate", "output_scores", "output_logits"})
+
+
+def _refuse_unsupported(**arguments) -> None:
+    """generate()'s named arguments that would change decoding in ways we do not implement."""
+    given = [name for name, value in arguments.items() if value not in (None, False) and not
+             (name == "logits_processor" and len(value) == 0)]
+    if given:
+        raise TypeError(f"generate(): {', '.join(given)} not supported by ExlForCausalLM (it decodes with its own "
+                         f"engine); use a transformers model for these")
+
+
+def _sampling_params(gc, n_rows: int) -> list:
+    """One SamplingParams per row: greedy (after repetition penalty) unless do_sample; sampling rows get
+    consecutive seeds drawn from torch's global generator."""
+    from .sampling import SamplingParams
+    if not gc.do_sample:
+        return [SamplingParams(temperature=0.0, repetition_penalty=gc.repetition_penalty)] * n_rows
+    seed = int(torch.randint(0, 2**62, ()))
+    return [SamplingParams(temperature=gc.temperature, top_k=gc.top_k or 0, top_p=gc.top_p,
+                           min_p=gc.min_p or 0.0, typical_p=gc.typical_p, repetition_penalty=gc.repetition_penalty,
+                           seed=seed + b) for b in range(n_rows)]
+
+
+def _hf_processors(gc, mask: Tensor, min_new: int, eos: list[int]):
+    """transformers' logits processors for these settings, in generate's order (scores as transformers reports);
+    mask: the prompt's attention mask (left padding is no part of the repetition penalty's history)."""
+    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                              RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper, TypicalLogitsWarper)
+    out = LogitsProcessorList()
+    if gc.repetition_penalty != 1.0:
+        padding = (~mask).sum(dim=1)
+        out.append(RepetitionPenaltyLogitsProcessor(gc.repetition_penalty, prompt_ignore_length=padding))
+    if min_new > 0 and eos:
+        out.append(MinNewTokensLengthLogitsProcessor(mask.shape[1], min_new, eos))
+    if gc.do_sample:
+        if gc.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(gc.temperature))
+        if gc.top_k:
+            out.append(TopKLogitsWarper(gc.top_k))
+        if gc.top_p < 1.0:
+            out.append(TopPLogitsWarper(gc.top_p))
+        if gc.min_p:
+            out.append(MinPLogitsWarper(gc.min_p))
+        if gc.typical_p < 1.0:
+            out.append(TypicalLogitsWarper(gc.typical_p))
+    return out
+
+
+def _hf_loading_arguments(device, dtype, hf_kwargs: dict) -> tuple[torch.device, torch.dtype | None]:
+    """device and dtype from our arguments or transformers' spellings of them; other kwargs raise."""
+    hf_kwargs = dict(hf_kwargs)
+    torch_dtype = hf_kwargs.pop("torch_dtype", None)
+    device_map = hf_kwargs.pop("device_map", None)
+    for harmless in ("local_files_only", "trust_remote_code", "low_cpu_mem_usage"):
+        hf_kwargs.pop(harmless, None)
+    if hf_kwargs:
+        raise TypeError(f"ExlForCausalLM.from_pretrained: unsupported argument(s) {sorted(hf_kwargs)}")
+    dtype = dtype if dtype is not None else torch_dtype
+    if isinstance(dtype, str):
+        dtype = None if dtype == "auto" else getattr(torch, dtype)
+    if device_map is not None:
+        if device is not None:
+            raise ValueError("pass device or device_map, not both")
+        if isinstance(device_map, dict):
+            if set(device_map) != {""}:
+                raise ValueError(f"device_map={device_map}: ExlForCausalLM runs on one device; use {{'': 0}}, "
+                                 f"'cuda:0' or 'auto'")
+            device_map = device_map[""]
+        device = None if device_map == "auto" else (f"cuda:{device_map}" if isinstance(device_map, int) else device_map)
+    device = torch.device(device) if device is not None else default_device()
+    return device, dtype
+
+
+def load_generation_config(path: Path, config):
+    """The directory's generation_config.json, else the defaults transformers derives from config.json."""
+    from transformers import GenerationConfig
+    if (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(path))
+    return GenerationConfig.from_model_config(config)
 
 
 def load_tokenizer(path: Path):

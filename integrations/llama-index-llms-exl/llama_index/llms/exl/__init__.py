@@ -1,0 +1,3 @@
+from llama_index.llms.exl.base import Exl
+
+__all__ = ["Exl"]

@@ -1,0 +1,49 @@
+"""Every script in examples/ runs (offline, on the default model) and prints what it promises."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+EXAMPLES = REPO / "examples"
+
+
+def run_example(name: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_every_example_has_a_test():
+    tested = {"hf_generate.py", "langchain_chain.py", "langchain_structured.py", "llamaindex_rag.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_hf_generate():
+    out = run_example("hf_generate.py")
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert "Paris" in out.splitlines()[0] and "Paris" in lines["stream"] and "Paris" in lines["pipeline"]
+
+
+def test_langchain_chain():
+    streamed, invoked = run_example("langchain_chain.py").strip().splitlines()[:2]
+    assert "Paris" in streamed and "Italy" in invoked
+
+
+def test_langchain_structured():
+    assert "Person(name='Alice', age=31)" in run_example("langchain_structured.py")
+
+
+def test_llamaindex_rag_answers_from_its_documents():
+    out = run_example("llamaindex_rag.py")
+    answer = next(line for line in out.splitlines() if line.startswith("answer:"))
+    assert "ninth of October" in answer or "October 9" in answer
+    assert "lantern festival" in next(line for line in out.splitlines() if line.startswith("source:"))
