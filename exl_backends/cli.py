@@ -87,6 +87,16 @@ def _cmd_import_gguf(args) -> None:
     print(f"wrote {import_gguf(args.file, args.out_dir)}")
 
 
+def _cmd_serve(args) -> None:
+    from pathlib import Path
+
+    from .server.serve import ServeOptions, serve
+    serve(ServeOptions(Path(args.model), host=args.host, port=args.port, max_seq_len=args.max_seq_len,
+                       cache_mode=args.cache_mode, draft_model=args.draft_model and Path(args.draft_model),
+                       api_key=args.api_key, no_auth=args.no_auth, device=args.device,
+                       max_batch_size=args.max_batch_size, cache_tokens=args.cache_tokens, max_queue=args.max_queue))
+
+
 def _cmd_convert(args) -> None:
     from pathlib import Path
 
@@ -258,6 +268,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("out_dir")
     p.set_defaults(func=_cmd_import_gguf)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `server` extra)",
+                       description="Serves one model at /v1 (chat/completions, completions, models, tokenize) with "
+                                   "continuous batching. Auth is on: with no --api-key, a key is generated at first "
+                                   "start and kept in ~/.config/exl-backends/api_key (the banner says how to use "
+                                   "it).")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--draft-model", default=None, help="a small model with the same vocabulary, for speculative "
+                                                       "decoding")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="the key clients must send (default: the stored one)")
+    keys.add_argument("--no-auth", action="store_true", help="no key needed (warns when not on loopback)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="jobs decoded together (default 32)")
+    p.add_argument("--cache-tokens", type=int, default=None,
+                   help="KV cache shared by all requests, in tokens (default: on CUDA what free memory holds, up "
+                        "to max-batch-size full contexts; on CPU one context)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="jobs queued or running at once; more get 429 (default 4 x max-batch-size)")
+    p.set_defaults(func=_cmd_serve)
     return top
 
 
