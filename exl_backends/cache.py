@@ -76,13 +76,13 @@ class KVCache:
         self.device = torch.device(device)
         self.bits = CACHE_MODES[mode]
         self.pool = PagePool(n_pages)
-        slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim
-        self.layers = [self._layer(slots, hkv, dh) for _ in range(config.n_layers)]
         self._write = self._write_reference
         if self.device.type == "cuda":
             from .kernels import attention, kv_cache   # importing them compiles nothing
             attention.check_cache(self)
             self._write = kv_cache.writer(self.bits)
+        slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim
+        self.layers = [self._layer(slots, hkv, dh) for _ in range(config.n_layers)]
 
     def _layer(self, slots: int, hkv: int, dh: int) -> LayerCache:
         if self.bits is None:

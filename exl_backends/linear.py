@@ -45,16 +45,20 @@ class Linear:
 
 
 class QuantLinear:
-    """A linear layer with a packed weight; computes in the activations' dtype."""
+    """A linear layer with a packed weight; computes in the activations' dtype. On CUDA the weight is repacked
+    once for the kernels (quant_matmul.prepare) and the packed original is not kept, so it costs memory once."""
 
     def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
-        self.weight, self.bias = weight, bias
+        self.bias = bias
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._dense: Tensor | None = None       # CPU path: the dequantized weight, made on first use
-        self._forward = self._reference_forward
         if weight.device.type == "cuda":
             from .kernels import quant_matmul    # importing it compiles nothing
-            self._forward = quant_matmul.prepare(weight, bias)
+            self.weight, self.kernel = None, quant_matmul.prepare(weight, bias)
+            self._forward = self.kernel
+        else:
+            self.weight, self.kernel = weight, None
+            self._forward = self._reference_forward
 
     def __call__(self, x: Tensor) -> Tensor:
         return self._forward(x)
@@ -65,11 +69,16 @@ class QuantLinear:
         return reference.linear(x, self._dense, self.bias)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "QuantLinear":
+        if self.weight is None:
+            raise ValueError("a QuantLinear already placed on the GPU cannot move; load the model again")
         bias = None if self.bias is None else self.bias.to(device, dtype)
         return QuantLinear(self.weight.to(device), bias)
 
     def dense_weight(self) -> Tensor:
-        return self.weight.dequantize()
+        """The exact fp16 weight [N, K] (dequantized)."""
+        return self.weight.dequantize() if self.kernel is None else self.kernel.dequantize()
 
     def nbytes(self) -> int:
+        if self.kernel is not None:
+            return self.kernel.nbytes()
         return self.weight.nbytes() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

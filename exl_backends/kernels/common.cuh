@@ -1,0 +1,127 @@
+// common.cuh: small helpers shared by the kernel families. Compiles with NVRTC and nvcc (only <cuda_fp16.h>,
+// no host-only headers). Functions marked EXL_HD also compile for the host, so host-side tests can call them.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#define EXL_HD __host__ __device__ __forceinline__
+
+namespace exl {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// ------------------------------------------------------------------------------------------- fp16 bit patterns
+
+// fp16 bits of an integer with |v| <= 2048 (exact).
+EXL_HD constexpr unsigned half_bits_of_int(int v)
+{
+    const unsigned sign = v < 0 ? 0x8000u : 0u;
+    const unsigned a = (unsigned)(v < 0 ? -v : v);
+    if (a == 0) return sign;
+    int e = 0;
+    while ((a >> (e + 1)) != 0) ++e;                               // a in [2^e, 2^(e+1))
+    const unsigned mantissa = (e <= 10 ? a << (10 - e) : a >> (e - 10)) & 0x3ffu;
+    return sign | ((unsigned)(e + 15) << 10) | mantissa;
+}
+
+// fp16 bits of 2^e, -14 <= e <= 15.
+EXL_HD constexpr unsigned half_bits_of_pow2(int e) { return (unsigned)(e + 15) << 10; }
+
+// The same fp16 value in both halves of a 32-bit word.
+EXL_HD constexpr unsigned dup16(unsigned bits16) { return bits16 * 0x10001u; }
+
+__device__ __forceinline__ half2 as_half2(unsigned u) { return *reinterpret_cast<const half2*>(&u); }
+__device__ __forceinline__ unsigned as_bits(half2 h) { return *reinterpret_cast<const unsigned*>(&h); }
+
+// (a & b) | c as one LOP3: left to itself the compiler splits two constant operands over two instructions.
+EXL_HD unsigned and_or(unsigned a, unsigned b, unsigned c)
+{
+#ifdef __CUDA_ARCH__
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    return (a & b) | c;
+#endif
+}
+
+// PRMT: byte n of the result is byte (s >> 4n) & 7 of the 8-byte value {y, x} (x the low word).
+EXL_HD unsigned byte_perm(unsigned x, unsigned y, unsigned s)
+{
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------- memory
+
+// Read-once data (packed weights): streamed through L2 with evict-first, not kept in L1.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
+__device__ __forceinline__ uint2 load_stream(const uint2* p) { return __ldcs(p); }
+__device__ __forceinline__ unsigned load_stream(const unsigned* p) { return __ldcs(p); }
+
+// Starts the DRAM read of p's 128-byte line into L2 without waiting or using a register.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// ------------------------------------------------------------------------------------------- tensor cores
+
+// d += A (16x16, fp16, row-major fragment a0..a3) * B (16x8, fp16, column-major fragment b0, b1), fp32 accumulate.
+// Fragment of lane l (g = l/4, q = l%4): a0 = A[g][2q..2q+1], a1 = A[g+8][2q..2q+1], a2 = A[g][2q+8..2q+9],
+// a3 = A[g+8][2q+8..2q+9]; b0 = B[2q..2q+1][g], b1 = B[2q+8..2q+9][g]; d = {C[g][2q], C[g][2q+1], C[g+8][2q],
+// C[g+8][2q+1]}. Before sm_80 (Turing) it is two m16n8k8 products, same fragments.
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1)
+{
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a2), "r"(a3), "r"(b1));
+#endif
+}
+
+}  // namespace exl
+
+// =========================================================================================== attention and KV cache
+// Helpers of kv_cache.cu and attention.cu (kept in this section, apart from the ones above).
+namespace exl {
+
+// The unnormalised 32-point Walsh-Hadamard transform across a warp (lane i holds element i), in the butterfly order
+// of reference._hadamard32 (span 1, 2, 4, 8, 16), so f32 results are bit-identical to the reference's.
+__device__ __forceinline__ float hadamard32(float x, int lane)
+{
+#pragma unroll
+    for (int span = 1; span < 32; span <<= 1) {
+        const float other = __shfl_xor_sync(FULL_MASK, x, span);
+        x = (lane & span) ? __fsub_rn(other, x) : __fadd_rn(x, other);
+    }
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x)
+{
+#pragma unroll
+    for (int span = 16; span >= 1; span >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, span));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x)
+{
+#pragma unroll
+    for (int span = 16; span >= 1; span >>= 1) x += __shfl_xor_sync(FULL_MASK, x, span);
+    return x;
+}
+
+}  // namespace exl

@@ -1,0 +1,17 @@
+"""The block's ops on CUDA, with the signatures of ops.REFERENCE_OPS: the kernels of this folder, plus two torch
+ops that need no kernel of their own (the embedding gather, and the cos/sin tables computed once per forward)."""
+from __future__ import annotations
+
+from .. import reference
+from ..ops import Ops
+from . import activation, attention, norm, rope
+
+OPS = Ops(
+    embedding=reference.embedding,
+    rmsnorm=norm.rmsnorm,
+    add_rmsnorm=norm.add_rmsnorm,
+    rope_cos_sin=reference.rope_cos_sin,
+    apply_rope=rope.apply_rope,
+    silu_mul=activation.silu_mul,
+    paged_attention=attention.paged_attention,
+)

@@ -1,0 +1,127 @@
+// KV-cache writes: fp16 rows copied into their slots, or quantized on the way in (q8/q6/q4), and the
+// dequantization of quantized slots back to fp16 (for prefill attention). The quantized layout is
+// reference.quantize_kv's (ExLlamaV2's Q-cache): per token, the flat vector x[E] (E = n_kv_heads * head_dim) is cut
+// into 64-element chunks; the even and the odd elements of a chunk each get an unnormalised 32-point Walsh-Hadamard
+// transform; each 32 consecutive rotated values share one fp16 scale a/half (a = max |y|, half = 2^(bits-1)) and
+// are stored as rint(y * (half / a) + half) clamped to [0, 2*half - 1]: 8-bit one byte each, 4-bit two per byte
+// (element e in byte e/2, even e in the low nibble).
+//
+// Every f32 operation below is the one the reference does, in the same order (the butterfly order of
+// reference._hadamard32, the rounding intrinsics so that --use_fast_math cannot fuse or approximate them), so codes
+// and scales come out bit-identical to the reference run by torch on the same GPU.
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+
+namespace {
+
+using exl::FULL_MASK;
+using exl::hadamard32;
+
+constexpr int WARPS = 4;   // warps per block; each warp handles one 64-element chunk
+
+// Lane l of the warp owns elements 2l (even) and 2l+1 (odd) of one chunk: quantizes both, writes their codes, and
+// lanes 0 and 16 write the scales of the chunk's two groups (lanes 0-15 hold group 0, lanes 16-31 group 1).
+__device__ __forceinline__ void quantize_chunk(const half2* __restrict__ x, unsigned char* __restrict__ codes,
+                                               half* __restrict__ scales, int chunk, int bits, int lane) {
+    const float2 xf = __half22float2(x[chunk * 32 + lane]);
+    const float ye = hadamard32(xf.x, lane);
+    const float yo = hadamard32(xf.y, lane);
+    float amax = fmaxf(fabsf(ye), fabsf(yo));
+#pragma unroll
+    for (int span = 8; span >= 1; span >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, span));   // over the 16 lanes of the group
+    const float half_range = bits == 8 ? 128.f : 8.f;
+    const float top = 2.f * half_range - 1.f;
+    // reference: inv = half / amax (torch: reciprocal(amax) * half, exact since half is a power of two)
+    const float inv = amax > 0.f ? __fmul_rn(__frcp_rn(amax), half_range) : 0.f;
+    const float qe = fminf(fmaxf(rintf(__fadd_rn(__fmul_rn(ye, inv), half_range)), 0.f), top);
+    const float qo = fminf(fmaxf(rintf(__fadd_rn(__fmul_rn(yo, inv), half_range)), 0.f), top);
+    if (bits == 8) {
+        reinterpret_cast<uchar2*>(codes)[chunk * 32 + lane] =
+            make_uchar2((unsigned char)qe, (unsigned char)qo);
+    } else {
+        codes[chunk * 32 + lane] = (unsigned char)((unsigned)qe | ((unsigned)qo << 4));
+    }
+    if ((lane & 15) == 0)
+        scales[chunk * 2 + (lane >> 4)] = __float2half_rn(__fmul_rn(amax, 1.f / half_range));
+}
+
+// Inverse of quantize_chunk for one chunk: lane l produces elements 2l and 2l+1 as fp16, exactly as
+// reference.dequantize_kv: (code - half) * scale in f32, the same transform, / 32, rounded to fp16.
+__device__ __forceinline__ half2 dequantize_chunk(const unsigned char* __restrict__ codes,
+                                                  const half* __restrict__ scales, int chunk, int bits, int lane) {
+    unsigned ce, co;
+    float zero;
+    if (bits == 8) {
+        const uchar2 c = reinterpret_cast<const uchar2*>(codes)[chunk * 32 + lane];
+        ce = c.x, co = c.y, zero = 128.f;
+    } else {
+        const unsigned c = codes[chunk * 32 + lane];
+        ce = c & 15u, co = c >> 4, zero = 8.f;
+    }
+    const float scale = __half2float(scales[chunk * 2 + (lane >> 4)]);
+    const float ye = hadamard32(__fmul_rn(__fsub_rn((float)ce, zero), scale), lane);
+    const float yo = hadamard32(__fmul_rn(__fsub_rn((float)co, zero), scale), lane);
+    return __floats2half2_rn(__fmul_rn(ye, 1.f / 32.f), __fmul_rn(yo, 1.f / 32.f));
+}
+
+}  // namespace
+
+// kv_write_f16: copies the rows k[T, E] and v[T, E] (fp16) into k_cache/v_cache[slots[t], E].
+// grid (T, 2): blockIdx.y 0 copies K, 1 copies V. block 128 threads; each thread moves 16-byte vectors of the row.
+// Needs E % 8 == 0 and 16-byte aligned rows (the launcher checks).
+extern "C" __global__ void kv_write_f16(const half* __restrict__ k, const half* __restrict__ v,
+                                        half* __restrict__ k_cache, half* __restrict__ v_cache,
+                                        const long long* __restrict__ slots, int width) {
+    const int t = blockIdx.x;
+    const half* src = (blockIdx.y == 0 ? k : v) + (size_t)t * width;
+    half* dst = (blockIdx.y == 0 ? k_cache : v_cache) + (size_t)slots[t] * width;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int i = threadIdx.x; i < width / 8; i += blockDim.x) d[i] = s[i];
+}
+
+// kv_write_quant: quantizes the rows k[T, E] and v[T, E] (fp16) into the codes and scales of slots[t].
+// grid (ceil(T * E/64 / 4), 2): blockIdx.y 0 is K (k_bits), 1 is V (v_bits). block 128 threads = 4 warps; warp w of
+// block x handles chunk (x*4 + w) of the flattened [T, E/64] chunks. Codes: [slots, E*bits/8] uint8, scales
+// [slots, E/32] fp16.
+extern "C" __global__ void kv_write_quant(const half* __restrict__ k, const half* __restrict__ v,
+                                          unsigned char* __restrict__ k_codes, unsigned char* __restrict__ v_codes,
+                                          half* __restrict__ k_scales, half* __restrict__ v_scales,
+                                          const long long* __restrict__ slots, int n_rows, int width,
+                                          int k_bits, int v_bits) {
+    const int lane = threadIdx.x & 31;
+    const int chunks = width / 64;
+    const int job = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (job >= n_rows * chunks) return;   // whole warps exit; no block barrier follows
+    const int t = job / chunks, chunk = job % chunks;
+    const bool is_k = blockIdx.y == 0;
+    const int bits = is_k ? k_bits : v_bits;
+    const size_t slot = (size_t)slots[t];
+    const half2* x = reinterpret_cast<const half2*>((is_k ? k : v) + (size_t)t * width);
+    unsigned char* codes = (is_k ? k_codes : v_codes) + slot * (width * bits / 8);
+    half* scales = (is_k ? k_scales : v_scales) + slot * (width / 32);
+    quantize_chunk(x, codes, scales, chunk, bits, lane);
+}
+
+// kv_dequantize: the K and V of slots[l] (l < L) -> k_out, v_out [L, E] fp16, bit-identical to
+// reference.dequantize_kv. grid (ceil(L * E/64 / 4), 2), block 128; one warp per 64-element chunk, as above.
+extern "C" __global__ void kv_dequantize(const unsigned char* __restrict__ k_codes,
+                                         const unsigned char* __restrict__ v_codes,
+                                         const half* __restrict__ k_scales, const half* __restrict__ v_scales,
+                                         const long long* __restrict__ slots, half* __restrict__ k_out,
+                                         half* __restrict__ v_out, int n_rows, int width, int k_bits, int v_bits) {
+    const int lane = threadIdx.x & 31;
+    const int chunks = width / 64;
+    const int job = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (job >= n_rows * chunks) return;
+    const int t = job / chunks, chunk = job % chunks;
+    const bool is_k = blockIdx.y == 0;
+    const int bits = is_k ? k_bits : v_bits;
+    const size_t slot = (size_t)slots[t];
+    const unsigned char* codes = (is_k ? k_codes : v_codes) + slot * (width * bits / 8);
+    const half* scales = (is_k ? k_scales : v_scales) + slot * (width / 32);
+    half2* out = reinterpret_cast<half2*>((is_k ? k_out : v_out) + (size_t)t * width);
+    out[chunk * 32 + lane] = dequantize_chunk(codes, scales, chunk, bits, lane);
+}

@@ -1,0 +1,161 @@
+"""kernels.attention.paged_attention against reference.paged_attention on the same cache contents (the cache is
+written once, by the kernels; the reference reads it back with torch ops), so the tests isolate the attention
+arithmetic. Ragged lengths across page boundaries, shuffled page tables, decode-only and mixed batches, every
+cache mode, GQA groups from 1 to 12."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import attention_config, on_gpu, poison_allocator
+
+from exl_backends import reference
+from exl_backends.batch import Batch, SeqChunk
+from exl_backends.cache import KVCache
+
+MODES = ["fp16", "q8", "q6", "q4"]
+# (Hkv, H/Hkv, Dh); a group of 12 spans two blocks of 8 query heads
+SHAPES = [(hkv, group, dh) for hkv in (1, 2, 3, 8) for group in (1, 3, 4) for dh in (64, 128)] + [(2, 12, 64)]
+DECODE_LENS = [1, 255, 256, 257, 1000, 5000]
+# (tokens already cached, new tokens): prompts with and without a prefix, decode rows, short multi-token chunks
+MIXED = [(0, 300), (700, 57), (4999, 1), (255, 1), (100, 5), (0, 1), (1500, 9), (31, 2), (0, 8)]
+
+
+def filled_cache(shape, mode, n_pages, page_size, seed):
+    """A one-layer cache whose every slot holds random K/V (written through the CUDA write path)."""
+    hkv, group, dh = shape
+    cache = KVCache(attention_config(hkv * group, hkv, dh), n_pages, page_size, mode, "cuda", torch.float16)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(cache.max_tokens, hkv, dh, device="cuda", generator=g).half()
+    v = (torch.randn(cache.max_tokens, hkv, dh, device="cuda", generator=g) + 0.2).half()
+    cache.write(0, k, v, torch.arange(cache.max_tokens, device="cuda"))
+    return cache, g
+
+
+def shuffled_pages(specs, page_size, seed):
+    """Page lists for sequences of (cached, new) tokens, drawn from a shuffled pool: (lists, pages in all)."""
+    needed = [-(-(start + n) // page_size) for start, n in specs]
+    order = torch.randperm(sum(needed) + 3, generator=torch.Generator().manual_seed(seed)).tolist()
+    lists, at = [], 0
+    for count in needed:
+        lists.append(order[at:at + count])
+        at += count
+    return lists, len(order)
+
+
+def run_case(shape, mode, specs, page_size, seed):
+    from exl_backends.kernels import attention
+    lists, n_pages = shuffled_pages(specs, page_size, seed)
+    cache, g = filled_cache(shape, mode, n_pages, page_size, seed)
+    chunks = [SeqChunk([1] * n, start, pages) for (start, n), pages in zip(specs, lists)]
+    batch = Batch.build(chunks, page_size, "cuda")
+    hkv, group, dh = shape
+    q = (torch.randn(batch.input_ids.shape[0], hkv * group, dh, device="cuda", generator=g) * 1.5).half()
+    scale = dh ** -0.5
+    poison_allocator()
+    ours = attention.paged_attention(q, cache, 0, batch, scale)
+    assert_attention_close(ours, reference.paged_attention(q, cache, 0, batch, scale))
+
+
+def assert_attention_close(ours, ref):
+    """~2e-3 relative: to each element, and to the largest element of its (row, head) vector."""
+    assert ours.dtype == torch.float16 and ours.shape == ref.shape
+    assert torch.isfinite(ours).all()
+    ref = ref.float()
+    err = (ours.float() - ref).abs()
+    limit = 2e-3 * (ref.abs() + ref.abs().amax(-1, keepdim=True))
+    worst = (err / limit).max().item()
+    assert worst <= 1, f"error up to {worst:.2f} x the tolerance; max abs error {err.max().item():.3g}"
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_batch(mode, shape):
+    run_case(shape, mode, [(n - 1, 1) for n in DECODE_LENS], 256, seed=sum(shape))
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mixed_batch(mode, shape):
+    run_case(shape, mode, MIXED, 256, seed=sum(shape) + 1)
+
+
+@on_gpu
+@pytest.mark.parametrize("shape", [(2, 2, 16), (2, 2, 32), (4, 2, 32)])
+def test_small_head_dims_fp16(shape):
+    run_case(shape, "fp16", [(n - 1, 1) for n in DECODE_LENS], 256, seed=3)
+    run_case(shape, "fp16", MIXED, 256, seed=4)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_small_pages(mode, page_size):
+    run_case((2, 3, 128), mode, [(n - 1, 1) for n in DECODE_LENS], page_size, seed=page_size)
+    run_case((2, 3, 128), mode, MIXED, page_size, seed=page_size + 1)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", ["fp16", "q4"])
+def test_decode_replays_in_a_cuda_graph(mode):
+    """Captured once for a batch shape; replayed after the sequences grew (longer lengths, wider use of the same
+    block table), with new queries: no host reads, grid fixed by the table width."""
+    from exl_backends.kernels import attention
+    shape, page_size = (8, 4, 128), 256
+    lists, n_pages = shuffled_pages([(0, 6000), (0, 6000)], page_size, seed=9)
+    cache, g = filled_cache(shape, mode, n_pages, page_size, seed=9)
+
+    def decode_batch(lengths):
+        return Batch.build([SeqChunk([1], n - 1, pages) for n, pages in zip(lengths, lists)], page_size, "cuda")
+    static = decode_batch([300, 40])
+    q = torch.randn(2, 32, 128, device="cuda", generator=g).half()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention.paged_attention(q, cache, 0, static, 0.1)           # compiles and settles allocations
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.paged_attention(q, cache, 0, static, 0.1)
+    for lengths in ([301, 41], [5000, 6000], [1, 257]):
+        grown = decode_batch(lengths)
+        static.seq_lens.copy_(grown.seq_lens)
+        static.positions.copy_(grown.positions)
+        q.copy_(torch.randn(2, 32, 128, device="cuda", generator=g).half())
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_attention_close(out, reference.paged_attention(q, cache, 0, grown, 0.1))
+
+
+@on_gpu
+def test_wide_block_table_and_padding_rows():
+    """The decode graph's batch: a table wider than any sequence needs (padded with a trash page) and padding rows
+    that see one token of the trash page."""
+    from exl_backends.kernels import attention
+    shape, page_size = (8, 4, 128), 256
+    lists, n_pages = shuffled_pages([(0, 1000), (0, 600), (0, 1)], page_size, seed=5)
+    cache, g = filled_cache(shape, "q6", n_pages + 1, page_size, seed=5)
+    trash = n_pages
+    batch = Batch.build([SeqChunk([1], 999, lists[0]), SeqChunk([1], 599, lists[1]), SeqChunk([1], 0, [trash])],
+                        page_size, "cuda")
+    wide = torch.full((3, 32), trash, dtype=torch.int32, device="cuda")
+    wide[:, :batch.block_tables.shape[1]] = batch.block_tables
+    batch.block_tables = wide
+    q = torch.randn(3, 32, 128, device="cuda", generator=g).half()
+    poison_allocator()
+    ours = attention.paged_attention(q, cache, 0, batch, 0.09)
+    assert_attention_close(ours, reference.paged_attention(q, cache, 0, batch, 0.09))
+
+
+def test_every_launched_kernel_is_defined():
+    """The launcher's kernel names against the extern "C" entry points the .cu file's macros generate."""
+    from exl_backends.kernels import attention
+    source = (Path(attention.__file__).with_suffix(".cu")).read_text()
+    defined = {f"attention_split_{mode}_d{dh}_g{g}"
+               for mode, dh in re.findall(r"^ATTENTION_SPLIT_GROUPS\((\w+), (\d+),", source, re.M)
+               for g in (2, 4, 8)}
+    defined |= set(re.findall(r"^ATTENTION_COMBINE\((\w+),", source, re.M))
+    wanted = set(attention.SPLIT_KERNELS.values()) | set(attention.COMBINE_KERNELS.values())
+    assert wanted == defined

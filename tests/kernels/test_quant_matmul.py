@@ -1,0 +1,348 @@
+"""Quantized matmul (kernels/quant_matmul.cu + .py) against the CPU reference.
+
+CPU tests check what prepare() builds: the lane layout read back the way the kernels read it must give the
+reference's dequantized weight bit for bit, and the kernel's own bit-extraction functions (compiled for the host
+with nvcc) must read the bits the Python repack wrote. GPU tests (marker gpu) run the kernels on random inputs with
+odd sizes against the reference computed in f32 from the exact dequantized weight."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import on_gpu, poison_allocator
+from safetensors.torch import save_file
+
+from exl_backends import reference
+from exl_backends.formats import exl2, synthetic
+from exl_backends.kernels import quant_matmul as qm
+from exl_backends.tensors import TensorStore
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+EXL2_FIXTURE = SHARED / "fixtures" / "exl2-ref" / "exl2" / "llama_tiny_exl2_2.5bpw_h6"
+
+# every width alone, the spec's candidate mixes (§10.6), and 3/2-bit mixes
+EXL2_MIXES = ["2b_64g", "3b_128g", "4b_128g", "5b_64g", "6b_32g", "8b_128g",
+              "0.05:8b_32g/0.95:4b_128g", "0.1:3b_64g/0.9:2b_64g", "0.05:6b_32g/0.2:3b_64g/0.75:2b_64g",
+              "0.05:8b_32g/0.1:4b_128g/0.85:3b_128g", "0.05:5b_32g/0.95:3b_32g", "0.15:8b_128g/0.85:6b_128g",
+              "0.05:8b_32g/0.1:6b_32g/0.85:5b_32g"]
+
+
+# ----------------------------------------------------------------------------------------------- CPU: layout
+
+
+def unlane_order(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of qm.lane_order: [G, strips, 8, 4] -> [G, Np]."""
+    g, s = values.shape[:2]
+    return values.reshape(g, s, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(g, s * 32)
+
+
+def lane_codes(lane: torch.Tensor, bits: int) -> torch.Tensor:
+    """A chunk's lane words [S, 32 lanes, bits] -> its codes [32 rows, 32 S columns], read with qm.PAIR_BITS."""
+    strips = lane.shape[0]
+    pos = torch.tensor(qm.PAIR_BITS[bits])                                  # [16 pairs, bits]
+    code = torch.zeros(strips, 32, 16, 2, dtype=torch.int64)
+    for k in range(bits):
+        for e in range(2):
+            p = pos[:, k] + 16 * e
+            code[..., e] |= ((lane[:, :, p // 32] >> (p % 32)) & 1) << k
+    # lane 4g + q, pair 8t + 4u + 2s + h, e  ->  row 16s + 4q + 2h + e, column 32 strip + 16t + 8u + g
+    code = code.reshape(strips, 8, 4, 2, 2, 2, 2, 2)                        # [S, g, q, t, u, s, h, e]
+    return code.permute(5, 2, 6, 7, 0, 3, 4, 1).reshape(32, strips * 32)
+
+
+def chunk_scales(lay: qm.LaneLayout, c: int) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """(scales [Np] f32 holding fp16 values, zero points) of chunk c, derived from chunk_meta and meta0/meta1 the
+    way the kernels do."""
+    offset, base = lay.chunk_meta[c].tolist()
+    if lay.fmt is qm.Format.GPTQ:
+        g = offset // (64 * lay.strips)
+        assert base == 32 * lay.strips * g
+        return unlane_order(lay.meta0[g: g + 1].cpu()).float()[0], unlane_order(lay.meta1[g: g + 1].cpu()).long()[0]
+    words = lay.meta0.cpu().long().reshape(-1)[offset // 4: offset // 4 + 4 * lay.strips].reshape(1, -1, 4) & 0xFFFFFFFF
+    lane16 = torch.stack([(words[..., g // 2] >> 16 * (g % 2)) & 0xFFFF for g in range(8)], dim=2)   # [1, S, 8]
+    codes = torch.stack([lane16 & 15, lane16 >> 8 & 15, lane16 >> 4 & 15, lane16 >> 12 & 15], dim=3)
+    assert base >> 16 & 0xFFFF == base & 0xFFFF
+    m = torch.tensor([base & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    return ((unlane_order(codes)[0] + 1) ** 2 * m).half().float(), 2 ** (lay.chunk_bits[c] - 1)
+
+
+def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
+    """The fp16 weight [N, K] read back from a lane layout the way the kernels read it."""
+    words = (lay.words.cpu().long() & 0xFFFFFFFF).view(lay.strips, -1)
+    prefix = lay.bits_prefix.tolist()
+    bounds = lay.run_bounds.tolist()
+    stored = torch.empty(lay.k, lay.np_, dtype=torch.float16)
+    for c, bits in enumerate(lay.chunk_bits):
+        assert bounds[qm.WIDTHS.index(bits)] <= c < bounds[qm.WIDTHS.index(bits) + 1]
+        chunk = words[:, 32 * prefix[c]: 32 * prefix[c + 1]]
+        planes = torch.split(chunk, [32 * w for w in qm.plane_words(bits)], dim=1)
+        lane = torch.cat([p.reshape(lay.strips, 32, -1) for p in planes], dim=2)
+        scales, z = chunk_scales(lay, c)
+        stored[32 * c: 32 * c + 32] = ((lane_codes(lane, bits) - z).float() * scales).half()
+    w = torch.empty_like(stored)
+    w[lay.perm.cpu().long() if lay.perm is not None else torch.arange(lay.k)] = stored
+    return w[:, :lay.n].T
+
+
+@pytest.mark.parametrize("mix", EXL2_MIXES)
+@pytest.mark.parametrize("k,n", [(416, 96), (96, 517)])
+def test_exl2_lane_layout_reads_back_the_reference_weight(mix, k, n):
+    w = synthetic.random_exl2(k, n, mix, seed=k + n)
+    assert torch.equal(lane_dequant(qm.exl2_layout(w)), w.dequantize())
+
+
+@pytest.mark.skipif(not EXL2_FIXTURE.is_dir(), reason="EXL2 fixture missing")
+def test_exl2_lane_layout_of_a_real_exllamav2_checkpoint():
+    store = TensorStore(EXL2_FIXTURE)
+    for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "model.layers.1.self_attn.q_proj": (256, 256),
+                        "lm_head": (256, 512)}.items():
+        w = exl2.load(store, key, k, n)
+        assert torch.equal(lane_dequant(qm.exl2_layout(w)), w.dequantize()), key
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size,act_order,sym,v2", [(32, True, False, False), (64, False, True, False),
+                                                          (128, True, True, True), (-1, False, False, True)])
+def test_gptq_lane_layout_reads_back_the_reference_weight(bits, group_size, act_order, sym, v2):
+    w = synthetic.random_gptq(416, 128 if bits == 3 else 80, bits, group_size, act_order, sym, seed=bits, v2=v2)
+    lay = qm.gptq_layout(w)
+    assert torch.equal(lane_dequant(lay), w.dequantize())
+    assert (lay.perm is None) == (not act_order)
+
+
+def test_gptq_groups_that_are_not_whole_chunks_are_refused():
+    w = synthetic.random_gptq(96, 64, 4, 16, False, True)
+    with pytest.raises(qm.UnsupportedFormatError, match="multiples of 32"):
+        qm.gptq_layout(w)
+
+
+def test_pair_bits_use_every_bit_of_a_lanes_words_once():
+    for bits, table in qm.PAIR_BITS.items():
+        used = sorted(p + 16 * e for pair in table for p in pair for e in range(2))
+        assert used == list(range(32 * bits)), bits
+        for pair in table:      # the kernel turns a pair into a half2: the low code sits in the low 16 bits
+            assert all(p % 32 < 16 for p in pair)
+
+
+def test_splits_cover_the_chunks_with_balanced_bytes():
+    chunk_bits = [8] * 7 + [4] * 13 + [3] * 100 + [2] * 9
+    for n in (1, 2, 5, 17, 64):
+        starts = qm.split_starts(chunk_bits, n)
+        assert starts[0] == 0 and starts[-1] == len(chunk_bits) and starts == sorted(starts)
+        sizes = [sum(chunk_bits[a:b]) for a, b in zip(starts, starts[1:])]
+        assert max(sizes) - min(sizes) <= 2 * 8, (n, sizes)
+
+
+def test_x_tile_rows_start_eight_banks_apart():
+    for starts in ([0, 3, 7], [0, 4], [0, 1, 2], [0, 33, 40]):
+        stride, smem = qm.x_tile(starts, 5)
+        assert stride // 2 % 32 == 8 and stride >= 32 * max(b - a for a, b in zip(starts, starts[1:]))
+        assert smem == 5 * stride * 2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 16])
+def test_small_m_plans_fill_the_gpu_within_limits(rows):
+    lay = qm.exl2_layout(synthetic.random_exl2(4096, 256, "0.05:8b_32g/0.95:4b_128g"))
+    plan = qm.plan_small(lay, rows, n_sm=132)
+    assert plan.smem <= qm.X_SMEM_BYTES and plan.n_splits * rows <= qm.MAX_SPLIT_ROWS
+    assert plan.starts.tolist() == qm.split_starts(lay.chunk_bits, plan.n_splits)
+    assert plan.kernel == qm.MATMUL_KERNELS[qm.Format.EXL2, 1 if rows == 1 else 8 if rows <= 8 else 16]
+    resident = qm.RESIDENT_BLOCKS[1 if rows == 1 else 8 if rows <= 8 else 16]
+    fills = plan.n_splits * -(-lay.strips // qm.WARPS) >= resident * 132
+    capped = plan.n_splits in (len(lay.chunk_bits) // qm.MIN_CHUNKS_PER_SPLIT, qm.MAX_SPLIT_ROWS // rows)
+    assert fills or capped
+
+
+# ----------------------------------------------------------------------------------------------- CPU: kernel decode
+
+HARNESS = r"""
+#include "quant_matmul.cu"
+#include <cstdio>
+template <int B> void pairs(const unsigned* in) {
+    unsigned w[B];
+    for (int i = 0; i < B; ++i) w[i] = in[i];
+    for (int p = 0; p < 16; ++p) printf("%u %d\n", qmm::pair_bits<B>(w, p), qmm::magic_shift<B>(p));
+}
+int main() {   // lines "P bits words...", "S word g", "Z word j"
+    char op;
+    unsigned in[8];
+    int b;
+    while (scanf(" %c %d", &op, &b) == 2) {
+        if (op == 'P') {
+            for (int i = 0; i < b; ++i) scanf("%u", &in[i]);
+            switch (b) { case 2: pairs<2>(in); break; case 3: pairs<3>(in); break; case 4: pairs<4>(in); break;
+                         case 5: pairs<5>(in); break; case 6: pairs<6>(in); break; default: pairs<8>(in); }
+        } else {
+            unsigned word = (unsigned)b, sel, r[2];
+            scanf("%u", &sel);
+            if (op == 'S') { qmm::scale_code_pairs(word, (int)sel, r); printf("%u %u\n", r[0], r[1]); }
+            else printf("%u\n", qmm::zero_pair(word, (int)sel));
+        }
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    """quant_matmul.cu's decode functions compiled for the host (nvcc; PTX only, so no GPU code generation)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    d = tmp_path_factory.mktemp("qm_harness")
+    (d / "harness.cu").write_text(HARNESS)
+    subprocess.run([nvcc, "-std=c++17", f"-I{qm.__file__.rsplit('/', 1)[0]}", "-gencode",
+                    "arch=compute_75,code=compute_75", "-o", str(d / "harness"), str(d / "harness.cu")], check=True)
+
+    def run(lines: list[str]) -> list[list[int]]:
+        out = subprocess.run([str(d / "harness")], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                             check=True).stdout
+        return [[int(v) for v in line.split()] for line in out.splitlines()]
+    return run
+
+
+def test_kernel_decodes_the_codes_the_repack_wrote(harness):
+    gen = torch.Generator().manual_seed(0)
+    for bits in qm.WIDTHS:
+        codes = torch.randint(0, 2**bits, (32, 32), generator=gen)
+        words = qm.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
+        planes = torch.split(words[0], [32 * w for w in qm.plane_words(bits)])
+        lane = torch.cat([p.reshape(32, -1) for p in planes], dim=1)        # [32 lanes, bits]
+        out = harness([f"P {bits} " + " ".join(map(str, lane[l].tolist())) for l in range(32)])
+        for l in range(32):
+            g, q = divmod(l, 4)
+            for p in range(16):
+                v, i = out[16 * l + p]
+                j, s, h = p // 4, p // 2 % 2, p % 2
+                row, col = 16 * s + 4 * q + 2 * h, 16 * (j // 2) + 8 * (j % 2) + g
+                for e, half in enumerate((v & 0xFFFF, v >> 16)):
+                    assert half >> 10 == 0x19 and half & ((1 << i) - 1) == 0, (bits, l, p)   # 1024 + code * 2^i
+                    assert (half & 0x3FF) >> i == codes[row + e, col], (bits, l, p, e)
+
+
+def test_kernel_reads_scale_codes_and_zeros_of_its_columns(harness):
+    gen = torch.Generator().manual_seed(1)
+    nibbles = torch.randint(0, 16, (1, 32), generator=gen)
+    words = qm.exl2_scale_codes(reference.pack_bits(nibbles.T.contiguous(), 4).T.contiguous()).long() & 0xFFFFFFFF
+    out = harness([f"S {words[0, 0, g // 2].item()} {g}" for g in range(8)])
+    zeros = qm.lane_order(torch.randint(0, 256, (1, 32), generator=gen))          # [1, 1, 8, 4]
+    zword = [int(sum(int(zeros[0, 0, g, j]) << 8 * j for j in range(4))) for g in range(8)]
+    zout = harness([f"Z {zword[g]} {j}" for g in range(8) for j in range(4)])
+    for g in range(8):
+        cols = [g, 8 + g, 16 + g, 24 + g]
+        for j in range(4):
+            half = out[g][j // 2] >> 16 * (j % 2) & 0xFFFF
+            assert half == 0x6400 + nibbles[0, cols[j]], (g, j)
+            assert zout[4 * g + j][0] == (0x6400 + zeros[0, 0, g, j]) * 0x10001, (g, j)
+
+
+# ----------------------------------------------------------------------------------------------- CPU: synthetic
+
+
+def test_synthetic_exl2_is_a_valid_checkpoint(tmp_path):
+    w = synthetic.random_exl2(416, 517, "0.05:8b_32g/0.1:4b_128g/0.85:3b_128g", seed=3)
+    save_file({f"lm_head.{name}": t for name, t in w.tensors().items()}, tmp_path / "output.safetensors")
+    loaded = exl2.load(TensorStore(tmp_path), "lm_head", 416, 517)
+    assert [b for b, _, _ in loaded.groups()] == [8, 4, 3, 3]
+    assert sum(r for _, _, r in loaded.groups()) == 416
+    assert torch.equal(loaded.dequantize(), w.dequantize())
+    assert (w.dequantize().float().abs().sum(0) > 0).all()
+
+
+def test_synthetic_exl2_follows_the_converters_row_split():
+    assert synthetic.exl2_group_rows(4096, synthetic.parse_mix("0.05:8b_32g/0.95:4b_128g")) == \
+        [(8, 32)] * 7 + [(4, 128)] * 30 + [(4, 32)]   # 224 + 3840 + the clamped 32
+
+
+def test_synthetic_gptq_symmetric_v1_zeros_are_the_usual_words():
+    w = synthetic.random_gptq(128, 64, 4, 32, act_order=True, sym=True)
+    assert (w.qzeros == 0x77777777).all()
+    assert sorted(torch.bincount(w.g_idx.long()).tolist()) == [32] * 4
+    assert not torch.equal(w.g_idx.long(), torch.arange(128) // 32)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+def check_matmul(weight, m: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k, n = weight.in_features, weight.out_features
+    x = torch.randn(m, k, generator=gen).half()
+    b = (torch.randn(n, generator=gen) * 0.1).half() if bias else None
+    ref = x.float() @ weight.dequantize().float().T + (0 if b is None else b.float())
+    f = qm.prepare(weight.to(torch.device("cuda")), None if b is None else b.cuda())
+    for _ in range(2):                       # twice: split-K counters must reset themselves
+        poison_allocator()
+        y = f(x.cuda()).float().cpu()
+        assert y.shape == (m, n) and torch.isfinite(y).all()
+        rel = ((y - ref).norm() / ref.norm()).item()
+        assert rel < 2e-3, rel
+        assert (y - ref).abs().max() <= 5e-3 * ref.abs().max()
+
+
+@on_gpu
+@pytest.mark.parametrize("mix", EXL2_MIXES)
+@pytest.mark.parametrize("m", [1, 3, 16, 130])
+@pytest.mark.parametrize("k,n", [(416, 96), (96, 517)])
+def test_exl2_matmul_small_shapes(mix, m, k, n):
+    check_matmul(synthetic.random_exl2(k, n, mix, seed=m), m, bias=m % 2 == 1)
+
+
+@on_gpu
+@pytest.mark.parametrize("mix", ["0.05:8b_32g/0.95:4b_128g", "0.05:6b_32g/0.2:3b_64g/0.75:2b_64g",
+                                 "0.15:8b_128g/0.85:6b_128g", "0.05:5b_32g/0.95:3b_32g"])
+@pytest.mark.parametrize("m", [1, 7, 33, 130])
+@pytest.mark.parametrize("k,n", [(4128, 96), (416, 4128)])
+def test_exl2_matmul_large_shapes(mix, m, k, n):
+    check_matmul(synthetic.random_exl2(k, n, mix, seed=m + k), m, bias=True)
+
+
+@on_gpu
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym,act_order", [(True, False), (False, True)])
+@pytest.mark.parametrize("m", [1, 7, 130])
+def test_gptq_matmul(bits, group_size, sym, act_order, m):
+    w = synthetic.random_gptq(416, 128 if bits == 3 else 80, bits, group_size, act_order, sym, seed=m, v2=not sym)
+    check_matmul(w, m, bias=m != 7)
+
+
+@on_gpu
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("m", [1, 16, 130])
+def test_gptq_matmul_large_k(bits, m):
+    check_matmul(synthetic.random_gptq(4128, 160 if bits == 4 else 128, bits, 128, True, False, seed=bits), m, True)
+
+
+@on_gpu
+@pytest.mark.parametrize("weight", [synthetic.random_exl2(416, 517, "0.05:8b_32g/0.1:4b_128g/0.85:3b_128g"),
+                                    synthetic.random_gptq(416, 96, 4, 32, True, False)], ids=["exl2", "gptq"])
+def test_dequant_kernel_is_bit_exact(weight):
+    f = qm.prepare(weight.to(torch.device("cuda")), None)
+    poison_allocator()
+    assert torch.equal(f.dequantize().cpu(), weight.dequantize())
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_forward_replays_in_a_cuda_graph(m):
+    w = synthetic.random_exl2(4128, 416, "0.05:8b_32g/0.95:4b_128g", seed=5)
+    f = qm.prepare(w.to(torch.device("cuda")), (torch.randn(416) * 0.1).half().cuda())
+    x = torch.randn(m, 4128, device="cuda").half()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = f(x)                          # warm-up: compiles and loads the module
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(x)
+    for _ in range(3):
+        x.copy_(torch.randn(m, 4128, device="cuda").half())
+        graph.replay()
+        assert torch.equal(y, f(x))           # deterministic split-K: graph and eager agree bit for bit
+    assert not torch.equal(y, eager)
+

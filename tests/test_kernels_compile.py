@@ -1,0 +1,66 @@
+"""Every kernels/*.cu compiles for every GPU generation we support, with nvcc and with NVRTC (what the loader uses
+at run time). Needs no GPU: nvcc only compiles; NVRTC is called through CuPy's binding without touching a device.
+New .cu files are picked up automatically."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from exl_backends.kernels.loader import KERNEL_DIR
+
+SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu") if not p.name.startswith("_"))
+ARCHS = ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90"]
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvcc_compiles(source, arch):
+    result = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", f"-arch={arch}", "-c", "-o", os.devnull,
+                             str(KERNEL_DIR / source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+
+
+def cuda_include_dir() -> Path | None:
+    """The CUDA headers NVRTC needs (cuda_fp16.h): CuPy passes its CUDA path's include dir at run time."""
+    candidates = [os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    try:
+        import cupy
+        candidates.insert(0, cupy.cuda.get_cuda_path() or "")
+    except ImportError:
+        pass
+    if NVCC:
+        candidates.append(str(Path(NVCC).resolve().parent.parent))
+    for c in candidates:
+        if c and (Path(c) / "include" / "cuda_fp16.h").is_file():
+            return Path(c) / "include"
+    return None
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvrtc_compiles(source):
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (NVRTC) not installed")
+    include = cuda_include_dir()
+    if include is None:
+        pytest.skip("CUDA headers (cuda_fp16.h) not found")
+    try:
+        nvrtc.getVersion()
+    except Exception as e:     # CuPy installed, NVRTC library not loadable here
+        pytest.skip(f"NVRTC not loadable: {e}")
+    code = f'#line 1 "{source}"\n' + (KERNEL_DIR / source).read_text()      # as loader.module() compiles it
+    options = ["-std=c++17", f"-I{KERNEL_DIR}", f"-I{include}", "--gpu-architecture=sm_90", "--use_fast_math"]
+    prog = nvrtc.createProgram(code, source, [], [])
+    try:
+        nvrtc.compileProgram(prog, options)
+    except nvrtc.NVRTCError:
+        pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        log = nvrtc.getProgramLog(prog)
+        nvrtc.destroyProgram(prog)
+    assert "warning" not in log.lower(), log
