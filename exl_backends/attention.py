@@ -1,7 +1,6 @@
-"""The attention half of a block: q/k/v projections, RoPE, cache write, paged attention, o projection."""
+"""The attention half of a block: q/k/v projections, optional q/k norms, RoPE, cache write, paged attention
+(optionally windowed and soft-capped), o projection."""
 from __future__ import annotations
-
-import math
 
 from torch import Tensor
 
@@ -13,17 +12,26 @@ from .ops import Ops
 
 class Attention:
     def __init__(self, layer: int, q: Linear | QuantLinear, k: Linear | QuantLinear, v: Linear | QuantLinear,
-                 o: Linear | QuantLinear, n_heads: int, n_kv_heads: int, head_dim: int):
+                 o: Linear | QuantLinear, n_heads: int, n_kv_heads: int, head_dim: int, scale: float | None = None,
+                 q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6,
+                 window: int | None = None, softcap: float | None = None):
         self.layer, self.q, self.k, self.v, self.o = layer, q, k, v, o
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.q_norm, self.k_norm, self.norm_eps = q_norm, k_norm, norm_eps      # [Dh] each, or None
+        # paged_attention's optional keywords this layer needs (an Ops bundle lists those it implements)
+        self.options = {name: value for name, value in (("window", window), ("softcap", softcap))
+                        if value is not None}
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
         t = x.shape[0]
         q = self.q(x).view(t, self.n_heads, self.head_dim)                 # [T, H, Dh]
         k = self.k(x).view(t, self.n_kv_heads, self.head_dim)              # [T, Hkv, Dh]
         v = self.v(x).view(t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.norm_eps).view(q.shape)
+            k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.norm_eps).view(k.shape)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         cache.write(self.layer, k, v, batch.slots)
-        out = ops.paged_attention(q, cache, self.layer, batch, self.scale)  # [T, H, Dh]
+        out = ops.paged_attention(q, cache, self.layer, batch, self.scale, **self.options)   # [T, H, Dh]
         return self.o(out.reshape(t, self.n_heads * self.head_dim))

@@ -44,7 +44,7 @@ def _linear_bits(ckpt: formats.Checkpoint, key: str) -> int:
 
 
 def bits_report(ckpt: formats.Checkpoint, config: ModelConfig) -> BitsReport:
-    linears = model.linears(config)
+    linears = model.linears(config, ckpt.store)
     per_layer = []                                          # (bits, weights) of each decoder layer
     for i in range(config.n_layers):
         prefix = config.traits.names.layer.format(i=i) + "."
@@ -60,7 +60,7 @@ def bits_report(ckpt: formats.Checkpoint, config: ModelConfig) -> BitsReport:
 def parameter_count(config: ModelConfig, ckpt: formats.Checkpoint) -> int:
     d = config.hidden_size
     n = config.vocab_size * d + (2 * config.n_layers + 1) * d
-    n += sum(k * m + (m if f"{key}.bias" in ckpt.store else 0) for key, k, m, _ in model.linears(config))
+    n += sum(k * m + (m if f"{key}.bias" in ckpt.store else 0) for key, k, m, _ in model.linears(config, ckpt.store))
     if not model.head_is_tied(ckpt.store, config):
         n += config.vocab_size * d
     return n

@@ -11,19 +11,52 @@ from . import formats
 from .attention import Attention
 from .batch import Batch
 from .cache import KVCache
-from .config import ModelConfig
+from .config import Activation, ModelConfig, RopeConfig
+from .errors import CheckpointError, DeviceError
 from .linear import Linear, QuantLinear
-from .mlp import Mlp
-from .ops import ops_for
+from .mlp import Mlp, MoeMlp
+from .ops import Ops, ops_for
 from .tensors import FLOAT_DTYPES, TensorStore
+
+LinearSpec = tuple[str, int, int, bool]    # (key, in_features, out_features, has_bias)
 
 
 @dataclass
 class Block:
     input_norm: Tensor
     attention: Attention
-    post_attn_norm: Tensor
-    mlp: Mlp
+    post_attn_norm: Tensor                  # the norm in front of the MLP
+    mlp: Mlp | MoeMlp
+    attn_out_norm: Tensor | None = None     # Gemma 2/3: the attention output is normed before the residual add
+    mlp_out_norm: Tensor | None = None      # Gemma 2/3: so is the MLP output
+    local_rope: bool = False                # Gemma 3: a sliding-window layer, with the local rope
+
+
+class Rope:
+    """One rope configuration on a device: its cos/sin tables for a batch's positions."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device):
+        self.inv_freq = rope.inv_freq(head_dim).to(device)
+        long = rope.long_inv_freq(head_dim)
+        self.long_inv_freq = None if long is None else long.to(device)
+        self.original_max_position = rope.original_max_position
+        self.scale = rope.cos_sin_scale()
+
+    def cos_sin(self, batch: Batch, ops: Ops, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, self.scale, dtype)     # [T, Dh] each
+        if self.long_inv_freq is None:
+            return cos, sin
+        # longrope: every token of a sequence longer than the pretraining context takes the long factors, as
+        # transformers does for a forward call whose positions run past it (decided on device: no host sync)
+        long_cos, long_sin = ops.rope_cos_sin(batch.positions, self.long_inv_freq, self.scale, dtype)
+        is_long = (_token_seq_lens(batch) > self.original_max_position)[:, None]
+        return torch.where(is_long, long_cos, cos), torch.where(is_long, long_sin, sin)
+
+
+def _token_seq_lens(batch: Batch) -> Tensor:
+    """[T]: for each token, the length its sequence has after this pass."""
+    rows = torch.arange(batch.input_ids.shape[0], dtype=batch.cu_seqlens.dtype, device=batch.cu_seqlens.device)
+    return batch.seq_lens[torch.searchsorted(batch.cu_seqlens[1:], rows, right=True)]
 
 
 class Model:
@@ -32,8 +65,12 @@ class Model:
         self.config, self.embed, self.blocks, self.norm, self.lm_head = config, embed, blocks, norm, lm_head
         self.device, self.dtype = device, dtype
         self.ops = ops_for(device)
-        self.inv_freq = config.rope.inv_freq(config.head_dim).to(device)
-        self.rope_scale = config.rope.cos_sin_scale()
+        check_ops(config, self.ops, device)
+        self.rope = Rope(config.rope, config.head_dim, device)
+        self.local_rope = None if config.local_rope is None else Rope(config.local_rope, config.head_dim, device)
+        # Gemma: sqrt(hidden_size), rounded to the compute dtype as transformers rounds it
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device) \
+            if config.traits.scale_embeddings else None
 
     @classmethod
     def load(cls, path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
@@ -41,6 +78,7 @@ class Model:
         config = config or ModelConfig.from_dir(path)
         ckpt = formats.open_checkpoint(path)
         device = torch.device(device)
+        check_ops(config, ops_for(device), device)         # before reading any weights
         validate(ckpt, config)
         return cls(config, *_load_weights(ckpt, config, device, dtype), device, dtype)
 
@@ -48,44 +86,132 @@ class Model:
         """Runs the batch's tokens, writing their K/V into cache. Returns f32 logits [R, vocab] for
         batch.logit_rows (every row when None)."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, self.rope_scale, self.dtype)
+        ropes = {False: self.rope.cos_sin(batch, ops, self.dtype)}
+        if self.local_rope is not None:
+            ropes[True] = self.local_rope.cos_sin(batch, ops, self.dtype)
         residual = ops.embedding(batch.input_ids, self.embed)                      # [T, D]
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
         x = ops.rmsnorm(residual, self.blocks[0].input_norm, eps)
         for i, block in enumerate(self.blocks):
-            a = block.attention(x, batch, cache, cos, sin, ops)
+            a = block.attention(x, batch, cache, *ropes[block.local_rope], ops)
+            if block.attn_out_norm is not None:
+                a = ops.rmsnorm(a, block.attn_out_norm, eps)
             x, residual = ops.add_rmsnorm(a, residual, block.post_attn_norm, eps)
             m = block.mlp(x, ops)
+            if block.mlp_out_norm is not None:
+                m = ops.rmsnorm(m, block.mlp_out_norm, eps)
             next_norm = self.blocks[i + 1].input_norm if i + 1 < len(self.blocks) else self.norm
             x, residual = ops.add_rmsnorm(m, residual, next_norm, eps)
         if batch.logit_rows is not None:
             x = x[batch.logit_rows]
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.config.final_softcap is not None:
+            logits = ops.softcap(logits, self.config.final_softcap)
+        return logits
+
+
+def missing_ops(config: ModelConfig, ops: Ops) -> list[str]:
+    """What this model needs that the ops bundle does not implement, in words (empty: it can run)."""
+    missing = []
+    if config.activation is Activation.GELU_TANH and ops.gelu_tanh_mul is None:
+        missing.append("the GELU-tanh gated MLP (ops.gelu_tanh_mul)")
+    if config.final_softcap is not None and ops.softcap is None:
+        missing.append("final logit soft-capping (ops.softcap)")
+    if config.moe is not None and any(config.moe.layers) and ops.moe is None:
+        missing.append("mixture-of-experts MLPs (ops.moe)")
+    windowed = [i for i, w in enumerate(config.layer_windows) if w is not None]
+    if windowed and "window" not in ops.attention_options:
+        missing.append(f"sliding-window attention (window {config.layer_windows[windowed[0]]} in layers "
+                       f"{_ranges(windowed)}; paged_attention's `window`)")
+    if config.attn_softcap is not None and "softcap" not in ops.attention_options:
+        missing.append("attention logit soft-capping (paged_attention's `softcap`)")
+    return missing
+
+
+def check_ops(config: ModelConfig, ops: Ops, device: torch.device) -> None:
+    missing = missing_ops(config, ops)
+    if missing:
+        raise DeviceError(f"{config.architecture} cannot run on {device} yet: its kernels lack "
+                          f"{'; '.join(missing)}. Load the model with device='cpu' (the reference path runs "
+                          f"every supported architecture)")
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            spans.append(f"{start}-{a}" if a > start else str(a))
+            start = b
+    return ", ".join(spans)
+
+
+# ----------------------------------------------------------------------------------------------- tensor layout
 
 
 def _key(config: ModelConfig, i: int, name: str) -> str:
     return f"{config.traits.names.layer.format(i=i)}.{name}"
 
 
-def linears(config: ModelConfig) -> list[tuple[str, int, int, bool]]:
-    """(key, in_features, out_features, has_bias) of every linear layer, lm_head last."""
-    n = config.traits.names
-    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    qkv_bias = config.traits.qkv_bias
-    out = []
-    for i in range(config.n_layers):
-        out += [(_key(config, i, n.q), d, config.n_heads * hd, qkv_bias),
-                (_key(config, i, n.k), d, config.n_kv_heads * hd, qkv_bias),
-                (_key(config, i, n.v), d, config.n_kv_heads * hd, qkv_bias),
-                (_key(config, i, n.o), config.n_heads * hd, d, False),
-                (_key(config, i, n.gate), d, inter, False),
-                (_key(config, i, n.up), d, inter, False),
-                (_key(config, i, n.down), inter, d, False)]
-    return out
+def _has_linear(store: TensorStore, key: str) -> bool:
+    return any(f"{key}.{s}" in store for s in ("weight", "q_weight", "qweight"))
+
+
+def _is_fused(store: TensorStore | None, config: ModelConfig, i: int, fused: str | None, first: str) -> bool:
+    """Phi-3: the layer stores `fused` (qkv_proj / gate_up_proj) instead of its parts (fp16 files do)."""
+    return (fused is not None and store is not None and _has_linear(store, _key(config, i, fused))
+            and not _has_linear(store, _key(config, i, first)))
+
+
+def attention_linears(config: ModelConfig, i: int, store: TensorStore | None = None) -> list[LinearSpec]:
+    """q, k, v, o of layer i (q/k/v as one fused spec when store holds them fused)."""
+    n, d, hd = config.traits.names, config.hidden_size, config.head_dim
+    bias = config.traits.qkv_bias
+    sizes = (config.n_heads * hd, config.n_kv_heads * hd, config.n_kv_heads * hd)
+    if _is_fused(store, config, i, n.qkv, n.q):
+        qkv = [(_key(config, i, n.qkv), d, sum(sizes), bias)]
+    else:
+        qkv = [(_key(config, i, name), d, size, bias) for name, size in zip((n.q, n.k, n.v), sizes)]
+    return qkv + [(_key(config, i, n.o), sizes[0], d, False)]
+
+
+def mlp_linears(config: ModelConfig, i: int, store: TensorStore | None = None) -> list[LinearSpec]:
+    """Layer i's MLP: gate, up, down (gate/up fused when store holds them fused), or for a routed layer the
+    router, then w1 (gate), w3 (up), w2 (down) of each expert."""
+    n, d, inter = config.traits.names, config.hidden_size, config.intermediate_size
+    if config.moe is not None and config.moe.layers[i]:
+        moe, out = config.moe, [(_key(config, i, n.router), d, config.moe.n_experts, False)]
+        for e in range(moe.n_experts):
+            expert = _key(config, i, n.expert.format(e=e))
+            out += [(f"{expert}.{n.expert_gate}", d, moe.intermediate_size, False),
+                    (f"{expert}.{n.expert_up}", d, moe.intermediate_size, False),
+                    (f"{expert}.{n.expert_down}", moe.intermediate_size, d, False)]
+        return out
+    if _is_fused(store, config, i, n.gate_up, n.gate):
+        gate_up = [(_key(config, i, n.gate_up), d, 2 * inter, False)]
+    else:
+        gate_up = [(_key(config, i, n.gate), d, inter, False), (_key(config, i, n.up), d, inter, False)]
+    return gate_up + [(_key(config, i, n.down), inter, d, False)]
+
+
+def linears(config: ModelConfig, store: TensorStore | None = None) -> list[LinearSpec]:
+    """Every linear layer of the decoder (lm_head not included), as the checkpoint in store lays them out
+    (without a store: Phi-3's projections split, as EXL2 writes them)."""
+    return [spec for i in range(config.n_layers)
+            for spec in attention_linears(config, i, store) + mlp_linears(config, i, store)]
 
 
 def head_is_tied(store: TensorStore, config: ModelConfig) -> bool:
-    head = config.traits.names.lm_head
-    return config.tie_word_embeddings and not any(f"{head}.{s}" in store for s in ("weight", "q_weight", "qweight"))
+    return config.tie_word_embeddings and not _has_linear(store, config.traits.names.lm_head)
+
+
+def norm_names(config: ModelConfig, i: int) -> list[tuple[str, int]]:
+    """(tensor name, length) of every norm weight of layer i."""
+    n, d = config.traits.names, config.hidden_size
+    names = [(n.input_norm, d), (n.post_attn_norm, d), (n.attn_out_norm, d), (n.mlp_out_norm, d),
+             (n.q_norm, config.head_dim), (n.k_norm, config.head_dim)]
+    return [(f"{_key(config, i, name)}.weight", size) for name, size in names if name is not None]
 
 
 def validate(ckpt: formats.Checkpoint, config: ModelConfig) -> None:
@@ -94,35 +220,81 @@ def validate(ckpt: formats.Checkpoint, config: ModelConfig) -> None:
     store.expect(f"{n.embed}.weight", (config.vocab_size, d), FLOAT_DTYPES)
     store.expect(f"{n.final_norm}.weight", (d,), FLOAT_DTYPES)
     for i in range(config.n_layers):
-        for norm in (n.input_norm, n.post_attn_norm):
-            store.expect(f"{_key(config, i, norm)}.weight", (d,), FLOAT_DTYPES)
-    for key, k, m, bias in linears(config):
+        for name, size in norm_names(config, i):
+            store.expect(name, (size,), FLOAT_DTYPES)
+    for key, k, m, bias in linears(config, store):
         formats.check_linear(ckpt, key, k, m, bias)
     if not head_is_tied(store, config):
         formats.check_linear(ckpt, n.lm_head, d, config.vocab_size, False)
 
 
+# ----------------------------------------------------------------------------------------------- loading
+
+
+class _Loader:
+    """Reads one checkpoint's tensors onto the device, in the compute dtype."""
+
+    def __init__(self, ckpt: formats.Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+        self.ckpt, self.config, self.device, self.dtype = ckpt, config, device, dtype
+
+    def norm(self, name: str) -> Tensor:
+        # Gemma's (1 + w) folded into the weight once, in f32 (exact there; one rounding in fp16)
+        return (self.ckpt.store.get(name).float() + self.config.traits.norm_offset).to(self.device, self.dtype)
+
+    def linear(self, spec: LinearSpec) -> Linear | QuantLinear:
+        return formats.load_linear(self.ckpt, *spec, self.device, self.dtype)
+
+    def split(self, spec: LinearSpec, sizes: list[int]) -> list[Linear]:
+        """A fused projection (Phi-3's qkv_proj, gate_up_proj) as one dense layer per part, split by rows."""
+        layer = self.linear(spec)
+        if not isinstance(layer, Linear):
+            raise CheckpointError(f"{spec[0]}: a quantized fused projection cannot be split into its parts; use "
+                                  f"the fp16 checkpoint, or an EXL2 quant (EXL2 stores the projections split)")
+        biases = [None] * len(sizes) if layer.bias is None else layer.bias.split(sizes)
+        return [Linear(w, b) for w, b in zip(layer.weight.split(sizes), biases)]
+
+
 def _load_weights(ckpt: formats.Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype):
     n, store = config.traits.names, ckpt.store
-
-    def vec(name):
-        return store.get(name).to(device, dtype)
-
-    def lin(key, k, m, bias):
-        return formats.load_linear(ckpt, key, k, m, bias, device, dtype)
-
-    specs = iter(linears(config))
-    blocks = []
-    for i in range(config.n_layers):
-        q, k, v, o, gate, up, down = (lin(*next(specs)) for _ in range(7))
-        blocks.append(Block(
-            input_norm=vec(f"{_key(config, i, n.input_norm)}.weight"),
-            attention=Attention(i, q, k, v, o, config.n_heads, config.n_kv_heads, config.head_dim),
-            post_attn_norm=vec(f"{_key(config, i, n.post_attn_norm)}.weight"),
-            mlp=Mlp(gate, up, down)))
-    embed = vec(f"{n.embed}.weight")
+    load = _Loader(ckpt, config, device, dtype)
+    blocks = [_load_block(load, config, i) for i in range(config.n_layers)]
+    embed = store.get(f"{n.embed}.weight").to(device, dtype)
     if head_is_tied(store, config):
         lm_head = Linear(embed)
     else:
-        lm_head = lin(n.lm_head, config.hidden_size, config.vocab_size, False)
-    return embed, blocks, vec(f"{n.final_norm}.weight"), lm_head
+        lm_head = formats.load_linear(ckpt, n.lm_head, config.hidden_size, config.vocab_size, False, device, dtype)
+    return embed, blocks, load.norm(f"{n.final_norm}.weight"), lm_head
+
+
+def _load_block(load: _Loader, config: ModelConfig, i: int) -> Block:
+    n, hd = config.traits.names, config.head_dim
+    *qkv, o = attention_linears(config, i, load.ckpt.store)
+    if _is_fused(load.ckpt.store, config, i, n.qkv, n.q):
+        q, k, v = load.split(qkv[0], [config.n_heads * hd, config.n_kv_heads * hd, config.n_kv_heads * hd])
+    else:
+        q, k, v = map(load.linear, qkv)
+
+    def norm(name):
+        return None if name is None else load.norm(f"{_key(config, i, name)}.weight")
+    window = config.layer_windows[i]
+    attention = Attention(i, q, k, v, load.linear(o), config.n_heads, config.n_kv_heads, hd,
+                          scale=config.attn_scale, q_norm=norm(n.q_norm), k_norm=norm(n.k_norm),
+                          norm_eps=config.rms_norm_eps, window=window, softcap=config.attn_softcap)
+    return Block(norm(n.input_norm), attention, norm(n.post_attn_norm), _load_mlp(load, config, i),
+                 attn_out_norm=norm(n.attn_out_norm), mlp_out_norm=norm(n.mlp_out_norm),
+                 local_rope=config.local_rope is not None and window is not None)
+
+
+def _load_mlp(load: _Loader, config: ModelConfig, i: int) -> Mlp | MoeMlp:
+    n, store = config.traits.names, load.ckpt.store
+    specs = mlp_linears(config, i, store)
+    if config.moe is not None and config.moe.layers[i]:
+        router, *layers = map(load.linear, specs)
+        experts = [Mlp(*layers[e: e + 3], config.activation) for e in range(0, len(layers), 3)]
+        return MoeMlp(router, experts, config.moe.top_k, config.moe.renormalize)
+    *gate_up, down = specs
+    if _is_fused(store, config, i, n.gate_up, n.gate):
+        gate, up = load.split(gate_up[0], [config.intermediate_size] * 2)
+    else:
+        gate, up = map(load.linear, gate_up)
+    return Mlp(gate, up, load.linear(down), config.activation)

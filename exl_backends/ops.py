@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from . import reference
+from .config import Activation
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,16 @@ class Ops:
     apply_rope: Callable
     silu_mul: Callable
     paged_attention: Callable
+    # What only some architectures need. A bundle without one (None here, or a keyword missing from
+    # attention_options) cannot run those architectures yet, and Model refuses them when it is built.
+    gelu_tanh_mul: Callable | None = None       # Gemma's MLP activation
+    softcap: Callable | None = None             # Gemma's final-logit soft-capping
+    moe: Callable | None = None                 # Mixtral / Qwen3-MoE: routed experts (reference.moe)
+    attention_options: frozenset[str] = frozenset()   # paged_attention's optional keywords: "window", "softcap"
+
+    def gated(self, activation: Activation) -> Callable:
+        """The gated-MLP op act(gate) * up for an activation."""
+        return {Activation.SILU: self.silu_mul, Activation.GELU_TANH: self.gelu_tanh_mul}[activation]
 
 
 REFERENCE_OPS = Ops(
@@ -28,6 +39,10 @@ REFERENCE_OPS = Ops(
     apply_rope=reference.apply_rope,
     silu_mul=reference.silu_mul,
     paged_attention=reference.paged_attention,
+    gelu_tanh_mul=reference.gelu_tanh_mul,
+    softcap=reference.softcap,
+    moe=reference.moe,
+    attention_options=frozenset({"window", "softcap"}),
 )
 
 

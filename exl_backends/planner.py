@@ -100,7 +100,7 @@ def footprint(ckpt: formats.Checkpoint, config: ModelConfig, cache_mode: str = "
     d = config.hidden_size
     tensor_bytes = (config.vocab_size * d + (2 * config.n_layers + 1) * d) * item   # embedding, norms
     prepare = dequant = decoder_bytes = decoder_weights = 0
-    layers = [(key, k, n) for key, k, n, _ in model.linears(config)]
+    layers = [(key, k, n) for key, k, n, _ in model.linears(config, store)]
     if not model.head_is_tied(store, config):
         layers.append((head, d, config.vocab_size))
     for key, k, n in layers:

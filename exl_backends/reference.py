@@ -2,7 +2,7 @@
 against the function of the same name here. Written for clarity and exactness, not speed."""
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,22 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float) -> Tensor:
+def gelu_tanh_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """Gemma's gated MLP: GELU with the tanh approximation (transformers' gelu_pytorch_tanh) of gate, times up."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """cap * tanh(x / cap): squashes x smoothly into (-cap, cap) (Gemma's logit soft-capping)."""
+    return torch.tanh(x / cap) * cap
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float, window: int | None = None,
+              softcap: float | None = None) -> Tensor:
     """One sequence. q [Tq, H, Dh] at absolute positions q_positions [Tq]; k, v [Tk, Hkv, Dh] for positions
     0..Tk-1. Causal (key j visible to the query at p iff j <= p), grouped-query (H/Hkv query heads per kv head).
+    window: sliding-window attention, key j visible only if also j > p - window. softcap: scores (already
+    scaled) become softcap * tanh(scores / softcap) before masking, as Gemma 2 does.
     Scores, softmax and the weighted sum in f32; result [Tq, H, Dh] in q's dtype."""
     n_heads, n_kv = q.shape[1], k.shape[1]
     group = n_heads // n_kv
@@ -57,21 +70,52 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float
     kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)          # [H, Tk, Dh]
     vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
     scores = (qf @ kf.transpose(1, 2)) * scale                              # [H, Tq, Tk]
-    visible = torch.arange(k.shape[0])[None, :] <= q_positions.cpu()[:, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys, p = torch.arange(k.shape[0])[None, :], q_positions.cpu()[:, None]
+    visible = keys <= p
+    if window is not None:
+        visible &= keys > p - window
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf                                # [H, Tq, Dh]
     return out.transpose(0, 1).to(q.dtype)
 
 
-def paged_attention(q: Tensor, cache, layer: int, batch, scale: float) -> Tensor:
-    """q [T, H, Dh] for a packed batch (batch.Batch); each sequence attends over its cached K/V (cache.read)."""
+def paged_attention(q: Tensor, cache, layer: int, batch, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> Tensor:
+    """q [T, H, Dh] for a packed batch (batch.Batch); each sequence attends over its cached K/V (cache.read).
+    window, softcap: as in attention (the cache keeps every position; the window only masks)."""
     out = torch.empty_like(q)
     cu = batch.cu_seqlens.tolist()
     for b in range(batch.n_seqs):
         rows = slice(cu[b], cu[b + 1])
         k, v = cache.read(layer, batch.kv_slots(b))
-        out[rows] = attention(q[rows], k, v, batch.positions[rows], scale)
+        out[rows] = attention(q[rows], k, v, batch.positions[rows], scale, window, softcap)
     return out
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """MoE routing: router_logits [T, E] -> (weights f32 [T, k], experts int64 [T, k]): the softmax over all
+    experts (in f32), its k largest entries, rescaled to sum to 1 when renormalize."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def moe(x: Tensor, router_logits: Tensor, experts: Sequence[Callable[[Tensor], Tensor]], top_k: int,
+        renormalize: bool) -> Tensor:
+    """A mixture of experts: x [T, D] -> [T, D], each token the weighted sum of the outputs of the top_k
+    experts route() picks for it. experts[e] maps rows [t, D] -> [t, D] (expert e's MLP). Sums in f32, expert
+    by expert in index order (as transformers adds them)."""
+    weights, selected = route(router_logits, top_k, renormalize)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, expert in enumerate(experts):
+        rows, slot = torch.where(selected == e)
+        if rows.numel():
+            out.index_add_(0, rows, expert(x[rows]).float() * weights[rows, slot, None])
+    return out.to(x.dtype)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -87,7 +131,7 @@ def unpack_bits(words: Tensor, bits: int, rows: int) -> Tensor:
     Code j occupies stream bits [j*bits, j*bits + bits); a code may straddle two words (3, 5, 6 bits)."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     w = torch.cat((w, torch.zeros_like(w[:1])))                             # a zero word past the end
-    start = torch.arange(rows, dtype=torch.int64) * bits
+    start = torch.arange(rows, dtype=torch.int64, device=words.device) * bits
     idx, shift = start // 32, (start % 32)[:, None]
     stream = w[idx] | (w[idx + 1] << 32)                                    # 64 bits from the code's word on
     return (stream >> shift) & ((1 << bits) - 1)
@@ -99,10 +143,10 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if rows * bits % 32:
         raise ValueError(f"{rows} rows of {bits}-bit codes do not fill whole 32-bit words")
     c = codes.to(torch.int64)
-    start = torch.arange(rows, dtype=torch.int64) * bits
+    start = torch.arange(rows, dtype=torch.int64, device=codes.device) * bits
     idx, shift = start // 32, start % 32
     n_words = rows * bits // 32
-    out = torch.zeros(n_words + 1, n, dtype=torch.int64)
+    out = torch.zeros(n_words + 1, n, dtype=torch.int64, device=codes.device)
     out.index_add_(0, idx, (c << shift[:, None]) & 0xFFFFFFFF)
     spill = shift + bits > 32
     out.index_add_(0, idx[spill] + 1, c[spill] >> (32 - shift[spill])[:, None])

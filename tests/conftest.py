@@ -20,13 +20,21 @@ def needs_fixtures():
 
 
 def tiny_config(arch: str = "llama", **overrides):
-    """A 2-layer random config of the given family; overrides go to the transformers config."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A 2-layer random config of the given family; overrides go to the transformers config. head_dim is
+    pinned to hidden / heads (16) for the families whose default is larger; MoE families get 4 experts, top 2."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 bos_token_id=509, eos_token_id=510, pad_token_id=511, tie_word_embeddings=False)
+    family = {"gemma2": dict(head_dim=16), "gemma3": dict(head_dim=16), "qwen3": dict(head_dim=16),
+              "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+              "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}
+    base.update(family.get(arch, {}))
     base.update(overrides)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "mixtral": MixtralConfig,
+           "qwen3_moe": Qwen3MoeConfig}[arch]
     return cls(**base)
 
 
@@ -36,10 +44,12 @@ def save_tiny(directory: Path, config, seed: int = 0, dtype=torch.float32):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():   # wider weights than the default init, so logits are not all alike
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-            elif "norm" not in str(p):
+            elif "norm" in name:          # around 1, not exactly 1, so a missing norm weight shows
+                p.normal_(1, 0.1)
+            else:
                 p.normal_(0, 0.05)
     model.to(dtype).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
