@@ -6,8 +6,11 @@ each cache mode, context and batch size. A decode step must read every cached K/
 set against the device's copy bandwidth (bytes read + written per second by a large copy).
 Prefill: one eager call for a fresh prompt (gather + scaled_dot_product_attention), and x32 layers as a share of
 the 20,000 tokens/s prefill target.
+Step ops: every non-matmul op of a batch-1 decode step (32 layers: 2 add_rmsnorm, rope_write, attention, silu_mul
+each), captured in one CUDA graph and replayed, in all and op by op (the step budget leaves ~0.2 ms for them).
 
     python benchmarks/bench_attention.py [--contexts 256,4096,32768] [--batches 1,16] [--modes fp16,q4]
+                                         [--step-contexts 256,4096]
 """
 from __future__ import annotations
 
@@ -22,17 +25,18 @@ from exl_backends.batch import Batch, SeqChunk
 from exl_backends.bench import copy_bandwidth, fill_cache
 from exl_backends.cache import KVCache, bytes_per_token
 from exl_backends.config import ModelConfig
-from exl_backends.kernels import attention
+from exl_backends import reference
+from exl_backends.kernels import activation, attention, kv_cache, norm
 
 PAGE_SIZE = 256
 N_LAYERS = 32                   # Llama-3-8B, for the prefill share
 PREFILL_TARGET = 20_000         # tokens/s for the whole model
 
 
-def llama3_8b_layer() -> ModelConfig:
+def llama3_8b_layer(n_layers: int = 1) -> ModelConfig:
     return ModelConfig.from_dict(dict(
         architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-        num_key_value_heads=8, num_hidden_layers=1, vocab_size=128256, rms_norm_eps=1e-5,
+        num_key_value_heads=8, num_hidden_layers=n_layers, vocab_size=128256, rms_norm_eps=1e-5,
         max_position_embeddings=131072))
 
 
@@ -104,12 +108,48 @@ def prefill_row(config: ModelConfig, mode: str, n_tokens: int) -> dict:
                 share_of_target=100 * seconds * N_LAYERS / model_seconds)
 
 
+def step_rows(mode: str, context: int) -> list[dict]:
+    """The non-matmul ops of a batch-1 decode step of Llama-3-8B at a context, graph-replayed: all of them in
+    order, then each kind alone (32 or 64 calls), so the split of the total is visible."""
+    config = llama3_8b_layer(N_LAYERS)
+    cache, batch, q = setup(config, mode, [(context - 1, 1)])
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).half()
+    d, inter, hkv, dh = config.hidden_size, config.intermediate_size, config.n_kv_heads, config.head_dim
+    x, residual, w, gate, up = rand(1, d), rand(1, d), rand(d), rand(1, inter), rand(1, inter)
+    k, v = rand(1, hkv, dh), rand(1, hkv, dh)
+    cos, sin = reference.rope_cos_sin(batch.positions, config.rope.inv_freq(dh).cuda(), 1.0, torch.float16)
+    scale, eps = dh ** -0.5, config.rms_norm_eps
+    ops = {
+        "add_rmsnorm x2": lambda layer: (norm.add_rmsnorm(x, residual, w, eps), norm.add_rmsnorm(x, residual, w, eps)),
+        "rope_write": lambda layer: kv_cache.rope_write(q, k, v, cos, sin, cache, layer, batch.slots),
+        "attention": lambda layer: attention.paged_attention(q, cache, layer, batch, scale),
+        "silu_mul": lambda layer: activation.silu_mul(gate, up),
+    }
+
+    def run(names):
+        for layer in range(N_LAYERS):
+            for name in names:
+                ops[name](layer)
+    rows = [dict(what="step ops", mode=mode, batch=1, context=context,
+                 us=graph_seconds(lambda: run(list(ops))) * 1e6, op="all x32 layers")]
+    for name in ops:
+        rows.append(dict(what="step ops", mode=mode, batch=1, context=context,
+                         us=graph_seconds(lambda: run([name])) * 1e6, op=name))
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="256,4096,32768")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--step-contexts", default="256,4096", help="contexts of the step-ops rows ('' for none)")
     args = ap.parse_args()
     config = llama3_8b_layer()
     copy_bw = copy_bandwidth(torch.device("cuda"))
@@ -119,6 +159,8 @@ def main() -> None:
             for context in map(int, args.contexts.split(",")):
                 rows.append(decode_row(config, mode, context, batch_size, copy_bw))
         rows.append(prefill_row(config, mode, args.prefill))
+        for context in filter(None, args.step_contexts.split(",")):
+            rows.extend(step_rows(mode, int(context)))
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_attention.json").write_text(json.dumps(dict(copy_bw=copy_bw, rows=rows), indent=1))
@@ -129,7 +171,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['what']:8} {r['mode']:5} {r['batch']:5d} {r['context']:8d} {r['us']:9.1f} "
               f"{r.get('gb_s', float('nan')):8.0f} {r.get('pct_copy', float('nan')):7.1f} "
-              f"{r.get('share_of_target', float('nan')):9.1f}")
+              f"{r.get('share_of_target', float('nan')):9.1f}  {r.get('op', '')}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from exl_backends.kernels import quant_matmul as qm
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
 EXL2_MIXES = {"exl2 2.5bpw": "0.05:6b_32g/0.2:3b_64g/0.75:2b_64g", "exl2 4.0bpw": "4b_128g",
               "exl2 6.0bpw": "6b_128g"}
-SWEEP_SHAPE, SWEEP_MIX, SWEEP_M = (4096, 14336), "4b_128g", [1, 4, 16, 64, 512, 2048]
+SWEEP_SHAPE, SWEEP_MIX, SWEEP_M = (4096, 14336), "4b_128g", [1, 4, 16, 32, 64, 512, 2048]
 L2_BYTES = 60 << 20
 
 
@@ -112,9 +112,9 @@ def bench_format(k: int, n: int, make, m: int = 1) -> tuple[float, int]:
     """(seconds per call, packed bytes) of the quantized matmul at M = m, rotating over weight copies."""
     gen = torch.Generator(device="cuda").manual_seed(k + n)
     first = qm.prepare(make(gen), None)
-    fs = [first] + [qm.prepare(make(gen), None) for _ in range(copies_for(first.layout.nbytes()) - 1)]
+    fs = [first] + [qm.prepare(make(gen), None) for _ in range(copies_for(first.nbytes()) - 1)]
     x = torch.randn(m, k, device="cuda").half()
-    return time_calls([lambda f=f: f(x) for f in fs]), first.layout.nbytes()
+    return time_calls([lambda f=f: f(x) for f in fs]), first.nbytes()
 
 
 def bench_fp16(k: int, n: int, m: int = 1) -> tuple[float, int]:
@@ -148,7 +148,7 @@ def main() -> None:
     k, n = SWEEP_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(1)
     fs = [qm.prepare(exl2_weight(k, n, SWEEP_MIX, gen), None) for _ in range(copies_for(k * n // 2))]
-    nbytes = fs[0].layout.nbytes()
+    nbytes = fs[0].nbytes()
     for m in SWEEP_M:
         x = torch.randn(m, k, device="cuda").half()
         if m <= 256:      # the small-M kernel re-reads the weight every 16 rows; past that it is clearly slower

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from .batch import Batch
 from .cache import KVCache
-from .linear import Linear, QuantLinear
+from .linear import FusedLinear, Linear, QuantLinear
 from .ops import Ops
 
 
@@ -16,6 +16,7 @@ class Attention:
                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6,
                  window: int | None = None, softcap: float | None = None):
         self.layer, self.q, self.k, self.v, self.o = layer, q, k, v, o
+        self.qkv = FusedLinear([q, k, v])              # one launch on CUDA for quantized q/k/v
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.q_norm, self.k_norm, self.norm_eps = q_norm, k_norm, norm_eps      # [Dh] each, or None
@@ -25,13 +26,13 @@ class Attention:
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
         t = x.shape[0]
-        q = self.q(x).view(t, self.n_heads, self.head_dim)                 # [T, H, Dh]
-        k = self.k(x).view(t, self.n_kv_heads, self.head_dim)              # [T, Hkv, Dh]
-        v = self.v(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(t, self.n_heads, self.head_dim)                         # [T, H, Dh]
+        k = k.view(t, self.n_kv_heads, self.head_dim)                      # [T, Hkv, Dh]
+        v = v.view(t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.norm_eps).view(q.shape)
             k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.norm_eps).view(k.shape)
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        cache.write(self.layer, k, v, batch.slots)
+        q = ops.rope_write(q, k, v, cos, sin, cache, self.layer, batch.slots)   # k roped; k, v into the cache
         out = ops.paged_attention(q, cache, self.layer, batch, self.scale, **self.options)   # [T, H, Dh]
         return self.o(out.reshape(t, self.n_heads * self.head_dim))

@@ -82,3 +82,22 @@ class QuantLinear:
         if self.kernel is not None:
             return self.kernel.nbytes()
         return self.weight.nbytes() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+class FusedLinear:
+    """Several linear layers applied to the same x (q/k/v, gate/up): returns one output per layer. Quantized
+    layers placed on CUDA with one format and K run as one kernel launch (quant_matmul.fuse, sharing their
+    repacked weights); otherwise each layer runs on its own."""
+
+    def __init__(self, layers: list[Linear | QuantLinear]):
+        self.layers = layers
+        kernels = [getattr(layer, "kernel", None) for layer in layers]
+        self.kernel = None
+        if all(k is not None for k in kernels):
+            from .kernels import quant_matmul
+            self.kernel = quant_matmul.fuse(kernels)
+
+    def __call__(self, x: Tensor) -> list[Tensor]:
+        if self.kernel is not None:
+            return self.kernel.forward(x)
+        return [layer(x) for layer in self.layers]

@@ -6,7 +6,7 @@ from functools import partial
 from torch import Tensor
 
 from .config import Activation
-from .linear import Linear, QuantLinear
+from .linear import FusedLinear, Linear, QuantLinear
 from .ops import Ops
 
 
@@ -14,9 +14,10 @@ class Mlp:
     def __init__(self, gate: Linear | QuantLinear, up: Linear | QuantLinear, down: Linear | QuantLinear,
                  activation: Activation = Activation.SILU):
         self.gate, self.up, self.down, self.activation = gate, up, down, activation
+        self.gate_up = FusedLinear([gate, up])          # one launch on CUDA for quantized gate/up
 
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
-        return self.down(ops.gated(self.activation)(self.gate(x), self.up(x)))
+        return self.down(ops.gated(self.activation)(*self.gate_up(x)))
 
 
 class MoeMlp:

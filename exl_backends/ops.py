@@ -10,6 +10,13 @@ from . import reference
 from .config import Activation
 
 
+def rope_write(q, k, v, cos, sin, cache, layer: int, slots):
+    """RoPE on q [T, H, Dh] and k [T, Hkv, Dh], then k and v into the cache's slots [T]; returns the rotated q.
+    The reference composition of apply_rope and KVCache.write (the CUDA bundle fuses them into one launch)."""
+    cache.write(layer, reference.apply_rope(k, cos, sin), v, slots)
+    return reference.apply_rope(q, cos, sin)
+
+
 @dataclass(frozen=True)
 class Ops:
     embedding: Callable
@@ -19,6 +26,7 @@ class Ops:
     apply_rope: Callable
     silu_mul: Callable
     paged_attention: Callable
+    rope_write: Callable        # (q, k, v, cos, sin, cache, layer, slots) -> rotated q; k, v into the cache
     # What only some architectures need. A bundle without one (None here, or a keyword missing from
     # attention_options) cannot run those architectures yet, and Model refuses them when it is built.
     gelu_tanh_mul: Callable | None = None       # Gemma's MLP activation
@@ -39,6 +47,7 @@ REFERENCE_OPS = Ops(
     apply_rope=reference.apply_rope,
     silu_mul=reference.silu_mul,
     paged_attention=reference.paged_attention,
+    rope_write=rope_write,
     gelu_tanh_mul=reference.gelu_tanh_mul,
     softcap=reference.softcap,
     moe=reference.moe,

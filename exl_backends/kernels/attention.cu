@@ -1,23 +1,36 @@
-// Paged attention for single query rows (decode), split-K ("flash-decoding"): attention_split_* computes, for one
-// query row, one kv head and one slice ("split") of the row's keys, the partial softmax state (max, sum, weighted
-// sum of V) of every query head of the kv head's group; attention_combine_* merges the splits of each
-// (row, query head) and writes the fp16 result.
+// Paged attention for single query rows (decode), split-K ("flash-decoding") in one launch, on the tensor cores.
 //
 // Row r belongs to sequence b = row_seq[r] (row_seq null: b = r, the decode batch), sits at positions[r] and sees the
 // keys 0 .. n_keys-1 with n_keys = min(seq_lens[b], positions[r] + 1) (causal). Key t lives in cache slot
-// block_tables[b][t / page_size] * page_size + t % page_size. The grid is fixed by (rows, max pages): each row's keys
-// are cut into splits of split_len = max(64, roundup(ceil(n_keys / n_splits), 32)) keys, computed on the device, so
+// block_tables[b][t / page_size] * page_size + t % page_size. The grid is fixed by (rows, n_splits): each row's keys
+// are cut on the device into splits of split_len = max(MIN_SPLIT, roundup(ceil(n_keys / n_splits), 32)) keys, so
 // nothing is read on the host and the launch can be captured in a CUDA graph; splits past the keys exit at once.
-// page_size must be a multiple of 32, so that a 32-key tile never crosses a page.
+// A row whose keys fit one split is finished by its one block. Otherwise each block writes its partial softmax
+// state (max, sum, unnormalised sum of V) and the last block of the row to finish (an atomic counter per (row, head
+// block), reset by that block) merges the partials and writes the output: no second launch.
+//
+// Block: one (split, kv head x 8-query-head block, row); 8 warps. The query heads of kv head h are h*G .. h*G+G-1
+// (G = n_heads / n_kv_heads); a block takes 8 of them (padding heads get zero queries and are not written). Each
+// warp walks KT-key tiles of the split (tile w, w+8, ...): it loads the tile's K and V into registers (all loads in
+// flight at once), then with mma.m16n8k16 computes S = K Q^T (keys x 8 heads), the online softmax in f32, and
+// O^T += V^T P^T (dims x 8 heads), P rounded to fp16 through shared memory. The warps' states merge in shared memory.
+//
+// Fragments. Lane l = (g = l / 4, qd = l % 4). A mma sums over k in any order, so each lane loads wide, contiguous
+// pieces and the k index is mapped to whatever dims the pieces hold (the queries' B fragments the same way):
+//  - K (A of S, rows = keys): lane (g, qd) holds, of keys 8r + g, the quarter row made of 16-byte (or smaller)
+//    pieces qd, qd+4, ... (so the 4 lanes of a row read it contiguously); k_virtual/k_dim give each k its dim.
+//  - V (A of O^T, rows = dims, k = keys): lane (g, qd) holds, of the 4 keys 2qd, 2qd+1, 2qd+8, 2qd+9 of each 16-key
+//    step, the eighth of the row made of pieces g, g+8, ...; pairs of keys are packed into fragments with PRMT.
 //
 // Quantized caches (reference.quantize_kv): a stored key is k = R(y)/32, y = (code - zero) * scale, where R applies
 // the 32-point Hadamard transform H to the even and to the odd elements of each 64-element chunk. H is symmetric, so
-// q.k = (R(q)/32).y: each block rotates its queries once and takes dot products with the raw codes, never
-// un-rotating a key. Likewise sum_t p_t v_t = R(sum_t p_t y_t)/32: V is accumulated in the rotated domain and the
-// combine kernel applies R/32 once to each output row. head_dim is a multiple of 64 there, so chunks never cross
-// heads. Results differ from the reference's only by f32 rounding (the reference rounds the dequantized K/V to fp16).
+// q.k = (R(q)/32).y: each block rotates its queries once and takes dot products with y, never un-rotating a key.
+// Likewise sum_t p_t v_t = R(sum_t p_t y_t)/32: V is accumulated in the rotated domain and R/32 is applied once to
+// each output row. y is formed in fp16 ((code - zero) exactly, then one rounding of the product with the scale), as
+// are the rotated queries and P; the reference rounds the dequantized K/V to fp16 instead: both differ from exact
+// f32 arithmetic by a few fp16 roundings. fp16 K takes the fp16 queries as they are (exact).
 //
-// Scores are kept in the log2 domain (queries pre-scaled by scale * log2(e)) so the softmax uses exp2.
+// Scores are kept in the log2 domain (multiplied by scale * log2(e)) so the softmax uses exp2.
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -26,388 +39,527 @@ namespace {
 
 using exl::FULL_MASK;
 using exl::hadamard32;
-using exl::warp_max;
-using exl::warp_sum;
+using exl::mma_16816;
 
-constexpr int WARPS = 4;          // warps per split block
-constexpr int TILE = 32;          // keys per warp step: lane t scores key t of the tile
-constexpr int MIN_SPLIT = 64;     // keys; shorter rows use fewer splits (the rest exit at once)
-constexpr int PV_UNROLL = 4;      // V rows in flight per half-warp
-
-// ---------------------------------------------------------------------------------------------- small helpers
+constexpr int WARPS = 8;                // warps per block
+constexpr int THREADS = WARPS * 32;
+constexpr int HEADS = 8;                // query heads per block: the n of the mma
+constexpr int MIN_SPLIT = 256;          // keys: one round of 32-key tiles for the 8 warps
+constexpr int ALIGN = 32;               // split lengths are whole 32-key tiles; pages are multiples of 32
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// Keys per split of a row with n_keys keys: an equal share, rounded up to whole tiles, at least MIN_SPLIT. The split
-// and combine kernels both derive the row's splits from this.
+// Keys per split of a row with n_keys keys: an equal share, rounded up to whole 32-key tiles, at least MIN_SPLIT.
 __device__ __forceinline__ int split_length(int n_keys, int n_splits) {
-    return max(MIN_SPLIT, ((n_keys + n_splits - 1) / n_splits + TILE - 1) & ~(TILE - 1));
+    return max(MIN_SPLIT, ((n_keys + n_splits - 1) / n_splits + ALIGN - 1) & ~(ALIGN - 1));
 }
 
-// N bytes (2, 4, 8 or 16; N-aligned) from global memory, read-only path, as 32-bit words (a 2-byte read fills
-// the low half of word 0).
+// max / sum over the 8 lanes that share lane % 4 (one column of an mma fragment)
+__device__ __forceinline__ float column_max(float x) {
+#pragma unroll
+    for (int span = 4; span < 32; span <<= 1) x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, span));
+    return x;
+}
+
+__device__ __forceinline__ float column_sum(float x) {
+#pragma unroll
+    for (int span = 4; span < 32; span <<= 1) x += __shfl_xor_sync(FULL_MASK, x, span);
+    return x;
+}
+
+// N bytes (4, 8 or 16; N-aligned) from global memory, read-only path, into the words w[0 .. N/4-1].
 template <int N>
-__device__ __forceinline__ void load_words(const unsigned char* p, unsigned (&w)[(N + 3) / 4]) {
+__device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) {
     if constexpr (N == 16) {
         const uint4 x = __ldg(reinterpret_cast<const uint4*>(p));
         w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
     } else if constexpr (N == 8) {
         const uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
         w[0] = x.x, w[1] = x.y;
-    } else if constexpr (N == 4) {
+    } else {
+        static_assert(N == 4, "4, 8 or 16 bytes");
         w[0] = __ldg(reinterpret_cast<const unsigned*>(p));
-    } else {
-        static_assert(N == 2, "2, 4, 8 or 16 bytes");
-        w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
     }
 }
 
-// Element i of a packed array of words as f32: fp16 as is, 8-bit codes minus 128, 4-bit codes minus 8 (element i
-// in nibble i, low nibble first, as reference.quantize_kv packs them). Codes become floats through the 2^23 trick:
-// the bit pattern 0x4B000000 | c is the float 2^23 + c, exact; one subtraction removes 2^23 and the zero point.
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) { return exl::as_bits(__floats2half2_rn(lo, hi)); }
+
+// Two codes of a word as the fp16 pair ((c_a - zero) * scale, (c_b - zero) * scale): 8-bit, sel 0 -> bytes 0, 1 and
+// sel 1 -> bytes 2, 3; 4-bit, sel p -> nibbles p and p + 4. A code c becomes the fp16 1024 + c by placing it in the
+// mantissa of 1024 (exact), minus 1024 + zero (exact), times the scale (one rounding).
 template <int BITS>
-__device__ __forceinline__ float element(const unsigned* w, int i) {
-    if constexpr (BITS == 16) {
-        return __half2float(__ushort_as_half((unsigned short)(w[i / 2] >> (16 * (i % 2)))));
-    } else if constexpr (BITS == 8) {
-        return __int_as_float(__byte_perm(w[i / 4], 0x4B, 0x4550 | (i % 4))) - 8388736.f;   // 2^23 + 128
+__device__ __forceinline__ unsigned code_pair(unsigned w, int sel, half2 scale) {
+    unsigned h;
+    half2 offset;
+    if constexpr (BITS == 8) {
+        h = __byte_perm(w, 0x64646464u, sel ? 0x4342 : 0x4140);
+        offset = exl::as_half2(exl::dup16(exl::half_bits_of_int(1024 + 128)));
     } else {
-        static_assert(BITS == 4, "fp16, 8-bit or 4-bit");
-        return __int_as_float(((w[i / 8] >> (4 * (i % 8))) & 15u) | 0x4B000000u) - 8388616.f;   // 2^23 + 8
+        static_assert(BITS == 4, "8 or 4 bits");
+        h = exl::and_or(w >> (4 * sel), 0x000F000Fu, 0x64006400u);
+        offset = exl::as_half2(exl::dup16(exl::half_bits_of_int(1024 + 8)));
+    }
+    return exl::as_bits(__hmul2(__hsub2(exl::as_half2(h), offset), scale));
+}
+
+// Compile-time shape of one (head_dim, K bits, V bits, keys per warp tile) variant.
+template <int DH, int K_BITS, int V_BITS, int KT_>
+struct Shape {
+    static constexpr int KT = KT_;                  // keys per warp tile (32 or 64)
+    static constexpr int STEPS = DH / 16;           // k steps of S = K Q^T, and m tiles of O^T = V^T P^T
+    static constexpr int M_TILES = KT / 16;         // 16-key m tiles of S = k steps of O^T
+    static constexpr int K_ROWS = KT / 8;           // key rows per lane: 8r + g
+    static constexpr int K_BYTES = DH * K_BITS / 32;            // a lane's quarter of a key row
+    static constexpr int K_PIECE = K_BYTES < 16 ? K_BYTES : 16;
+    static constexpr int K_PIECES = K_BYTES / K_PIECE;
+    static constexpr int K_WORDS = K_BYTES / 4;
+    static constexpr int K_PIECE_ELEMS = K_PIECE * 8 / K_BITS;
+    static constexpr int V_KEYS = KT / 4;           // value rows per lane: 4 per 16-key step
+    static constexpr int V_BYTES = DH * V_BITS / 64;            // a lane's eighth of a value row
+    static constexpr int V_PIECE = V_BYTES < 16 ? V_BYTES : 16;
+    static constexpr int V_PIECES = V_BYTES / V_PIECE;
+    static constexpr int V_WORDS = V_BYTES / 4;
+    static constexpr int V_PIECE_ELEMS = V_PIECE * 8 / V_BITS;
+    static constexpr int P_ROW = KT + 8;            // halves per head row of P (+8: conflict-free fragment reads)
+    static constexpr int CHUNKS = (DH + 63) / 64;   // 64-element chunks of an output row (lane: 2l, 2l+1 of each)
+    static_assert(K_BITS == 16 || (K_PIECES <= 2 && V_PIECES == 1), "a quantized piece lies in one scale group");
+    static_assert(KT == 32 || KT == 64, "whole 32-key tiles");
+    static_assert(K_PIECE_ELEMS % 4 == 0, "a k step takes 4 elements of one piece");
+};
+
+// Element of the lane's K pieces that the k index of step s, fragment register hi (a0/b0: 0, a2/b1: 1), half e
+// stands for (an index into the concatenated pieces): consecutive for fp16 and 8-bit codes; for 4-bit codes the
+// nibble pairs (p, p+4) that one mask extracts.
+template <int K_BITS>
+__device__ __forceinline__ constexpr int k_virtual(int s, int hi, int e) {
+    return K_BITS == 4 ? 8 * (s / 2) + 2 * (s % 2) + hi + 4 * e : 4 * s + 2 * hi + e;
+}
+
+template <class S>
+__device__ __forceinline__ int k_dim(int qd, int v) {
+    return (qd + 4 * (v / S::K_PIECE_ELEMS)) * S::K_PIECE_ELEMS + v % S::K_PIECE_ELEMS;
+}
+
+// Element of the lane's V pieces that row half e (0: row g, 1: row g+8) of m tile t of O^T stands for.
+template <int V_BITS>
+__device__ __forceinline__ constexpr int v_virtual(int t, int e) {
+    return V_BITS == 4 ? 8 * (t / 4) + t % 4 + 4 * e : 2 * t + e;
+}
+
+template <class S>
+__device__ __forceinline__ int v_dim(int g, int v) {
+    return (g + 8 * (v / S::V_PIECE_ELEMS)) * S::V_PIECE_ELEMS + v % S::V_PIECE_ELEMS;
+}
+
+// One warp tile's K and V, in registers.
+template <class S>
+struct Tile {
+    unsigned k[S::K_ROWS][S::K_WORDS];
+    half k_scale[S::K_ROWS][S::K_PIECES];
+    unsigned v[S::V_KEYS][S::V_WORDS];
+    half v_scale[S::V_KEYS];
+};
+
+struct Cache {
+    const unsigned char* k;      // this kv head's bytes in slot 0
+    const unsigned char* v;
+    const half* k_scales;        // this kv head's scales in slot 0 (quantized)
+    const half* v_scales;
+    size_t k_stride, v_stride;   // bytes per slot
+    int scale_stride;            // scales per slot
+};
+
+// Issues every load of the tile at keys t0 .. t0+KT-1 of the row (keys past t_end re-read key t_end-1; their scores
+// are masked), without waiting for any.
+template <int DH, int K_BITS, int V_BITS, int KT>
+__device__ __forceinline__ void load_tile(Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile, const Cache& c,
+                                          const int* __restrict__ table, int page_size, int t0, int t_end,
+                                          int lane) {
+    using S = Shape<DH, K_BITS, V_BITS, KT>;
+    const int g = lane >> 2, qd = lane & 3;
+    int slot[S::KT / 32];   // lane l: the slot of key t0 + l + 32i
+#pragma unroll
+    for (int i = 0; i < S::KT / 32; i++) {
+        const int t = min(t0 + lane + 32 * i, t_end - 1);
+        slot[i] = __ldg(table + t / page_size) * page_size + t % page_size;
+    }
+#pragma unroll
+    for (int r = 0; r < S::K_ROWS; r++) {
+        const size_t s = (size_t)__shfl_sync(FULL_MASK, slot[r / 4], (8 * r + g) & 31);
+        const unsigned char* row = c.k + s * c.k_stride;
+#pragma unroll
+        for (int j = 0; j < S::K_PIECES; j++) {
+            load_words<S::K_PIECE>(row + (qd + 4 * j) * S::K_PIECE, &tile.k[r][j * S::K_PIECE / 4]);
+            if constexpr (K_BITS != 16)
+                tile.k_scale[r][j] = __ldg(c.k_scales + s * c.scale_stride + (qd + 4 * j) * S::K_PIECE_ELEMS / 32);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < S::V_KEYS; i++) {
+        const int key = 16 * (i / 4) + 2 * qd + (i & 1) + 8 * ((i >> 1) & 1);
+        const size_t s = (size_t)__shfl_sync(FULL_MASK, slot[i / 8], key & 31);
+        const unsigned char* row = c.v + s * c.v_stride;
+#pragma unroll
+        for (int j = 0; j < S::V_PIECES; j++)
+            load_words<S::V_PIECE>(row + (g + 8 * j) * S::V_PIECE, &tile.v[i][j * S::V_PIECE / 4]);
+        if constexpr (V_BITS != 16)
+            tile.v_scale[i] = __ldg(c.v_scales + s * c.scale_stride + g * S::V_PIECE_ELEMS / 32);
     }
 }
 
-// ---------------------------------------------------------------------------------------------- split kernel
-
-// One lane's key row (head_dim DH, BITS per element) against the GT staged queries q_s [GT][DH] (smem, f32):
-// s[g] += q_s[g] . k, in stretches of 32 elements (16 when DH is 16). Quantized rows: each stretch is one scale
-// group, its dot with the codes times the group's scale.
-template <int DH, int GT, int BITS>
-__device__ __forceinline__ void score_key(const unsigned char* __restrict__ row, const half* __restrict__ scales,
-                                          const float* __restrict__ q_s, float (&s)[GT]) {
-    constexpr int STRETCH = DH < 32 ? DH : 32;
-    constexpr int STRETCH_BYTES = STRETCH * BITS / 8;
-    constexpr int WORDS = STRETCH_BYTES / 4;
-    static_assert(BITS == 16 || DH % 64 == 0, "quantized rows come in whole 64-element chunks");
-    float group_scale[DH / STRETCH];
-    if constexpr (BITS != 16) {
-        unsigned sw[(DH / 16 + 3) / 4];
-        load_words<DH / 16>(reinterpret_cast<const unsigned char*>(scales), sw);
-#pragma unroll
-        for (int j = 0; j < DH / 32; j++) group_scale[j] = element<16>(sw, j);
-    }
-#pragma unroll
-    for (int grp = 0; grp < DH / STRETCH; grp++) {
-        unsigned w[WORDS];
-#pragma unroll
-        for (int i = 0; i < WORDS; i += 4) {
-            unsigned v[4];
-            load_words<16>(row + grp * STRETCH_BYTES + 4 * i, v);
-            w[i] = v[0], w[i + 1] = v[1], w[i + 2] = v[2], w[i + 3] = v[3];
-        }
-        float part[GT];
-#pragma unroll
-        for (int g = 0; g < GT; g++) part[g] = 0.f;
-#pragma unroll
-        for (int e = 0; e < STRETCH; e += 4) {
-            const float k0 = element<BITS>(w, e), k1 = element<BITS>(w, e + 1);
-            const float k2 = element<BITS>(w, e + 2), k3 = element<BITS>(w, e + 3);
-#pragma unroll
-            for (int g = 0; g < GT; g++) {
-                const float4 qv = *reinterpret_cast<const float4*>(q_s + g * DH + grp * STRETCH + e);
-                part[g] += qv.x * k0 + qv.y * k1 + qv.z * k2 + qv.w * k3;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < GT; g++) s[g] += BITS == 16 ? part[g] : part[g] * group_scale[grp];
+// A fragment register hi of k step s for key row r (fp16 pairs of K, or of y for quantized K).
+template <int DH, int K_BITS, int V_BITS, int KT>
+__device__ __forceinline__ unsigned k_fragment(const Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile, int r, int s,
+                                               int hi) {
+    using S = Shape<DH, K_BITS, V_BITS, KT>;
+    if constexpr (K_BITS == 16) {
+        return tile.k[r][2 * s + hi];
+    } else {
+        const int word = K_BITS == 8 ? s : s / 2;
+        const half2 scale = __half2half2(tile.k_scale[r][word * 4 / S::K_PIECE]);
+        return code_pair<K_BITS>(tile.k[r][word], K_BITS == 8 ? hi : 2 * (s % 2) + hi, scale);
     }
 }
 
-// attention_split<DH, GT, K_BITS, V_BITS>: one (split, kv head [x head block], row) per block.
-// grid (n_splits, n_kv_heads * head_blocks, rows); block 128 threads = 4 warps.
-// Query heads: the group of kv head h is h*G .. h*G+G-1 (G = n_heads / n_kv_heads); a block takes GT of them
-// (head_blocks = ceil(G / GT) blocks per kv head; padding heads get zero queries and are not written).
-// Each warp walks 32-key tiles of the split (tile w, w+4, ...): lane t scores key t against all GT queries
-// (its K row read once, used GT times), the warp updates its running max/sum, then the two half-warps take one key
-// each in turn and add p * V to accumulators acc[GT][DH/16] (each lane owns DH/16 consecutive dims).
-// The four warps' states are merged through shared memory; the block writes, per query head,
-// part_acc[row, head, split, :] (f32, unnormalised, rotated for quantized V) and
-// part_ml[row, head, split] = (max, sum).
-template <int DH, int GT, int K_BITS, int V_BITS>
-__device__ __forceinline__ void attention_split(
+// The pair (virtual element v_virtual(t, 0), v_virtual(t, 1)) of value row i, as fp16.
+template <int DH, int K_BITS, int V_BITS, int KT>
+__device__ __forceinline__ unsigned v_pair(const Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile, int i, int t) {
+    if constexpr (V_BITS == 16) {
+        return tile.v[i][t];
+    } else {
+        const half2 scale = __half2half2(tile.v_scale[i]);
+        return V_BITS == 8 ? code_pair<8>(tile.v[i][t / 2], t % 2, scale)
+                           : code_pair<4>(tile.v[i][t / 4], t % 4, scale);
+    }
+}
+
+// Softmax state of one warp; lane (g, qd) holds heads 2qd, 2qd+1 (m: the running max, equal over the column; l: this
+// lane's share of the sum; acc: O^T fragments, c0/c2 head 2qd, c1/c3 head 2qd+1).
+template <class S>
+struct State {
+    float m[2], l[2];
+    float acc[S::STEPS][4];
+};
+
+// One tile: scores, online softmax, P through shared memory (p_w: this warp's [HEADS][P_ROW] halves), O^T += V^T P^T.
+template <int DH, int K_BITS, int V_BITS, int KT>
+__device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>& st,
+                                            const Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile,
+                                            const unsigned (&qb)[DH / 16][2], half* p_w, int t0, int t_end,
+                                            float scale_log2, int lane) {
+    using S = Shape<DH, K_BITS, V_BITS, KT>;
+    const int g = lane >> 2, qd = lane & 3;
+    float sc[S::M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < S::M_TILES; mt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) sc[mt][e] = 0.f;
+#pragma unroll
+        for (int s = 0; s < S::STEPS; s++)
+            mma_16816(sc[mt], k_fragment(tile, 2 * mt, s, 0), k_fragment(tile, 2 * mt + 1, s, 0),
+                      k_fragment(tile, 2 * mt, s, 1), k_fragment(tile, 2 * mt + 1, s, 1), qb[s][0], qb[s][1]);
+    }
+
+    // sc[mt][e]: key t0 + 16mt + 8(e/2) + g, head 2qd + e%2
+    float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int mt = 0; mt < S::M_TILES; mt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const bool valid = t0 + 16 * mt + 8 * (e >> 1) + g < t_end;
+            sc[mt][e] = valid ? sc[mt][e] * scale_log2 : neg_inf();
+            tile_max[e & 1] = fmaxf(tile_max[e & 1], sc[mt][e]);
+        }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float m_new = fmaxf(st.m[h], column_max(tile_max[h]));   // finite: the tile has a valid key
+        alpha[h] = exp2f(st.m[h] - m_new);                              // 0 on the first tile (m = -inf)
+        st.m[h] = m_new;
+        st.l[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int mt = 0; mt < S::M_TILES; mt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float p = exp2f(sc[mt][e] - st.m[e & 1]);
+            st.l[e & 1] += p;
+            p_w[(2 * qd + (e & 1)) * S::P_ROW + 16 * mt + 8 * (e >> 1) + g] = __float2half_rn(p);
+        }
+#pragma unroll
+    for (int t = 0; t < S::STEPS; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) st.acc[t][e] *= alpha[e & 1];
+    __syncwarp();
+
+    // O^T[dims, heads] += V^T[dims, keys] P^T[keys, heads], 16 keys per k step
+    const unsigned* p_words = reinterpret_cast<const unsigned*>(p_w + g * S::P_ROW);
+#pragma unroll
+    for (int ks = 0; ks < S::M_TILES; ks++) {
+        const unsigned b0 = p_words[8 * ks + qd], b1 = p_words[8 * ks + qd + 4];
+#pragma unroll
+        for (int t = 0; t < S::STEPS; t++) {
+            const unsigned x0 = v_pair(tile, 4 * ks, t), x1 = v_pair(tile, 4 * ks + 1, t);
+            const unsigned x2 = v_pair(tile, 4 * ks + 2, t), x3 = v_pair(tile, 4 * ks + 3, t);
+            mma_16816(st.acc[t], __byte_perm(x0, x1, 0x5410), __byte_perm(x0, x1, 0x7632),
+                      __byte_perm(x2, x3, 0x5410), __byte_perm(x2, x3, 0x7632), b0, b1);
+        }
+    }
+    __syncwarp();   // P is rewritten by the next tile
+}
+
+// Writes one output row of a query head from a warp: a = sum of p * V (lane: elements c*64 + 2l, +1), l = sum of p;
+// for a quantized V, a is in the rotated domain and R/32 is applied here.
+template <int DH, bool ROTATED>
+__device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l, half* __restrict__ dst, int lane) {
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int c = 0; c < (DH + 63) / 64; c++) {
+        if constexpr (ROTATED) {
+            a[c].x = hadamard32(a[c].x, lane) * (1.f / 32.f);
+            a[c].y = hadamard32(a[c].y, lane) * (1.f / 32.f);
+        }
+        const int e = c * 64 + 2 * lane;
+        if (e < DH) *reinterpret_cast<half2*>(dst + e) = __floats2half2_rn(a[c].x * inv, a[c].y * inv);
+    }
+}
+
+// paged_decode<DH, K_BITS, V_BITS>: grid (n_splits, n_kv_heads * head_blocks, rows), block 256 (8 warps).
+// head_blocks = ceil(G / 8). part_acc [rows, n_heads, n_splits, DH] f32 and part_ml [rows, n_heads, n_splits]
+// (max, sum) hold the partial states of rows with several splits (null when n_splits is 1); counters
+// [rows * n_kv_heads * head_blocks] int32 must be zero before the launch and are zero after it.
+template <int DH, int K_BITS, int V_BITS, int KT>
+__device__ __forceinline__ void paged_decode(
     const half* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     const half* __restrict__ k_scales, const half* __restrict__ v_scales, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const long long* __restrict__ positions, const int* __restrict__ row_seq,
-    float* __restrict__ part_acc, float2* __restrict__ part_ml, int n_heads, int n_kv_heads, int max_pages,
-    int page_size, int n_splits, float scale_log2) {
-    constexpr int DPL = DH / 16;                     // V dims per lane
-    constexpr int V_BYTES = DPL * V_BITS / 8;        // a lane's share of one V row
-    constexpr int V_WORDS = (V_BYTES + 3) / 4;
-    constexpr bool K_QUANT = K_BITS != 16;
-    __shared__ __align__(16) float q_s[GT * DH];
-    __shared__ __align__(16) float p_s[WARPS][TILE][GT];
-    __shared__ float m_s[WARPS][GT], l_s[WARPS][GT];
-    __shared__ float acc_s[WARPS][GT][DH];
+    half* __restrict__ out, float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
+    int n_heads, int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2) {
+    using S = Shape<DH, K_BITS, V_BITS, KT>;
+    constexpr bool ROTATED = V_BITS != 16;
+    constexpr int Q_PER_THREAD = (HEADS * DH + THREADS - 1) / THREADS;
+    union Smem {
+        float q[HEADS][DH];                  // staged queries (start)
+        half p[WARPS][HEADS * S::P_ROW];     // each warp's P tile (loop)
+        float acc[WARPS][HEADS][DH];         // each warp's sum of p * V (end)
+    };
+    __shared__ __align__(16) Smem smem;
+    __shared__ float m_s[WARPS][HEADS], l_s[WARPS][HEADS];
+    __shared__ bool last_s;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, qd = lane & 3;
     const int split = blockIdx.x, row = blockIdx.z;
     const int group = n_heads / n_kv_heads;
-    const int head_blocks = (group + GT - 1) / GT;
+    const int head_blocks = (group + HEADS - 1) / HEADS;
     const int kv_head = blockIdx.y / head_blocks;
-    const int head0 = kv_head * group + (blockIdx.y % head_blocks) * GT;      // first query head of the block
-    const int n_g = min(GT, kv_head * group + group - head0);
+    const int head0 = kv_head * group + (blockIdx.y % head_blocks) * HEADS;   // first query head of the block
+    const int n_g = min(HEADS, kv_head * group + group - head0);
 
+    // the queries' loads go out with the row's length. fp16 K: lane (g, qd) loads head g's k elements (the pieces
+    // of a key row) straight into its B fragments; quantized K: the block stages them to rotate them first.
+    const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
+    unsigned qb[DH / 16][2];
+    float q_reg[Q_PER_THREAD];
+    if constexpr (K_BITS == 16) {
+        unsigned w[S::K_WORDS] = {};
+        if (g < n_g) {
+#pragma unroll
+            for (int j = 0; j < S::K_PIECES; j++)
+                load_words<S::K_PIECE>(reinterpret_cast<const unsigned char*>(q_row + g * DH) +
+                                           (qd + 4 * j) * S::K_PIECE,
+                                       &w[j * S::K_PIECE / 4]);
+        }
+#pragma unroll
+        for (int s = 0; s < S::STEPS; s++) qb[s][0] = w[2 * s], qb[s][1] = w[2 * s + 1];
+    } else {
+#pragma unroll
+        for (int i = 0; i < Q_PER_THREAD; i++) {
+            const int e = tid + i * THREADS;
+            q_reg[i] = e < HEADS * DH && e / DH < n_g ? __half2float(q_row[e]) : 0.f;
+        }
+    }
     const int seq = row_seq ? row_seq[row] : row;
     const int n_keys = (int)min((long long)seq_lens[seq], positions[row] + 1);
-    if (n_keys <= 0) return;
-    const int split_len = split_length(n_keys, n_splits);
-    const int t_begin = split * split_len;
-    if (t_begin >= n_keys) return;
-    const int t_end = min(t_begin + split_len, n_keys);
-
-    // stage the queries, scaled into the log2 domain (and rotated for a quantized K)
-    for (int i = tid; i < GT * DH; i += WARPS * 32) {
-        const int g = i / DH;
-        q_s[i] = g < n_g ? __half2float(q[((size_t)row * n_heads + head0 + g) * DH + i % DH]) * scale_log2 : 0.f;
-    }
-    if constexpr (K_QUANT) {
-        __syncthreads();
-        for (int c = warp; c < GT * DH / 64; c += WARPS) {
-            float* chunk = q_s + c * 64;
-            const float even = hadamard32(chunk[2 * lane], lane), odd = hadamard32(chunk[2 * lane + 1], lane);
-            chunk[2 * lane] = even * (1.f / 32.f);
-            chunk[2 * lane + 1] = odd * (1.f / 32.f);
-        }
-    }
-    __syncthreads();
-
-    const size_t width = (size_t)n_kv_heads * DH;                       // elements per slot
-    const unsigned char* k_head = k_cache + (size_t)kv_head * DH * K_BITS / 8;
-    const unsigned char* v_head = v_cache + (size_t)kv_head * DH * V_BITS / 8;
-    const half* ks_head = k_scales + kv_head * (DH / 32);
-    const half* vs_head = v_scales + kv_head * (DH / 32);
-    const int* table = block_tables + (size_t)seq * max_pages;
-    const int half_warp = lane >> 4, dim0 = (lane & 15) * DPL;
-
-    float m[GT], l[GT], acc[GT][DPL];
-#pragma unroll
-    for (int g = 0; g < GT; g++) {
-        m[g] = neg_inf(), l[g] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DPL; i++) acc[g][i] = 0.f;
-    }
-
-    for (int t0 = t_begin + warp * TILE; t0 < t_end; t0 += WARPS * TILE) {
-        const int slot = table[t0 / page_size] * page_size + t0 % page_size + lane;
-        const bool valid = t0 + lane < t_end;
-        float s[GT];
-#pragma unroll
-        for (int g = 0; g < GT; g++) s[g] = 0.f;
-        if (valid)
-            score_key<DH, GT, K_BITS>(k_head + slot * width * K_BITS / 8, ks_head + slot * width / 32, q_s, s);
-
-        // online softmax over the warp's keys so far; l is kept per lane (summed at the end), m per warp
-#pragma unroll
-        for (int g = 0; g < GT; g++) {
-            if (!valid) s[g] = neg_inf();
-            const float m_new = fmaxf(m[g], warp_max(s[g]));
-            const float alpha = exp2f(m[g] - m_new);        // 0 on the first tile (m = -inf)
-            const float p = exp2f(s[g] - m_new);
-            l[g] = l[g] * alpha + p;
-#pragma unroll
-            for (int i = 0; i < DPL; i++) acc[g][i] *= alpha;
-            m[g] = m_new;
-            p_s[warp][lane][g] = p;
-        }
-        __syncwarp();
-
-        // p.V: the half-warps take keys j0 + 2u + half_warp; PV_UNROLL keys' loads are issued before any is used
-        const int n_valid = min(TILE, t_end - t0);
-        for (int j0 = 0; j0 < n_valid; j0 += 2 * PV_UNROLL) {
-            unsigned w[PV_UNROLL][V_WORDS];
-            float v_scale[PV_UNROLL];
-#pragma unroll
-            for (int u = 0; u < PV_UNROLL; u++) {
-                const int j = j0 + 2 * u + half_warp;
-                const int slot_j = __shfl_sync(FULL_MASK, slot, j & (TILE - 1));
-                v_scale[u] = 1.f;
-                if (j < n_valid) {
-                    load_words<V_BYTES>(v_head + (slot_j * width + dim0) * V_BITS / 8, w[u]);
-                    if constexpr (V_BITS != 16) v_scale[u] = __half2float(vs_head[slot_j * width / 32 + dim0 / 32]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < PV_UNROLL; u++) {
-                const int j = j0 + 2 * u + half_warp;
-                if (j < n_valid) {
-                    float p[GT];
-#pragma unroll
-                    for (int g = 0; g < GT; g++) p[g] = p_s[warp][j][g] * v_scale[u];
-#pragma unroll
-                    for (int i = 0; i < DPL; i++) {
-                        const float v = element<V_BITS>(w[u], i);
-#pragma unroll
-                        for (int g = 0; g < GT; g++) acc[g][i] += p[g] * v;
-                    }
-                }
-            }
-        }
-        __syncwarp();
-    }
-
-    // merge the two half-warps, then the warps
-#pragma unroll
-    for (int g = 0; g < GT; g++) {
-        l[g] = warp_sum(l[g]);
-#pragma unroll
-        for (int i = 0; i < DPL; i++) acc[g][i] += __shfl_xor_sync(FULL_MASK, acc[g][i], 16);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < GT; g++) m_s[warp][g] = m[g], l_s[warp][g] = l[g];
-    }
-    if (lane < 16) {
-#pragma unroll
-        for (int g = 0; g < GT; g++)
-#pragma unroll
-            for (int i = 0; i < DPL; i++) acc_s[warp][g][dim0 + i] = acc[g][i];
-    }
-    __syncthreads();
-
-    // warp 0 always had keys (t_begin < t_end), so the block max is finite; warps without keys weigh exp2(-inf) = 0
-    for (int i = tid; i < n_g * DH; i += WARPS * 32) {
-        const int g = i / DH, d = i % DH;
-        float m_max = m_s[0][g];
-#pragma unroll
-        for (int w = 1; w < WARPS; w++) m_max = fmaxf(m_max, m_s[w][g]);
-        float a = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) a += acc_s[w][g][d] * exp2f(m_s[w][g] - m_max);
-        part_acc[(((size_t)row * n_heads + head0 + g) * n_splits + split) * DH + d] = a;
-    }
-    if (tid < n_g) {
-        float m_max = m_s[0][tid];
-#pragma unroll
-        for (int w = 1; w < WARPS; w++) m_max = fmaxf(m_max, m_s[w][tid]);
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) sum += l_s[w][tid] * exp2f(m_s[w][tid] - m_max);
-        part_ml[((size_t)row * n_heads + head0 + tid) * n_splits + split] = make_float2(m_max, sum);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------- combine kernel
-
-// attention_combine<DH, ROTATED>: out[row, head, :] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M) over the
-// row's used splits (M the max of the m_s), then R/32 applied when V was quantized (see the top of the file).
-// grid ceil(rows * n_heads / 4), block 128: one warp per (row, query head); lane l owns elements 2l, 2l+1 of each
-// 64-element chunk of the head (so the butterfly runs across lanes). A row without keys gets zeros.
-template <int DH, bool ROTATED>
-__device__ __forceinline__ void attention_combine(const float* __restrict__ part_acc,
-                                                  const float2* __restrict__ part_ml,
-                                                  const int* __restrict__ seq_lens,
-                                                  const long long* __restrict__ positions,
-                                                  const int* __restrict__ row_seq, half* __restrict__ out,
-                                                  int n_rows, int n_heads, int n_splits) {
-    constexpr int CHUNKS = (DH + 63) / 64;
-    const int lane = threadIdx.x & 31;
-    const int job = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (job >= n_rows * n_heads) return;
-    const int row = job / n_heads;
-    const int seq = row_seq ? row_seq[row] : row;
-    const int n_keys = (int)min((long long)seq_lens[seq], positions[row] + 1);
-    half2* dst = reinterpret_cast<half2*>(out + (size_t)job * DH);
-    if (n_keys <= 0) {
-        for (int e = 2 * lane; e < DH; e += 64) dst[e / 2] = __float2half2_rn(0.f);
+    if (n_keys <= 0) {   // no keys: zeros
+        if (split == 0)
+            for (int e = tid; e < n_g * DH; e += THREADS)
+                out[((size_t)row * n_heads + head0) * DH + e] = __float2half(0.f);
         return;
     }
     const int split_len = split_length(n_keys, n_splits);
     const int n_used = (n_keys + split_len - 1) / split_len;
-    const float2* ml = part_ml + (size_t)job * n_splits;
-    const float* acc_rows = part_acc + (size_t)job * n_splits * DH;
+    const int t_begin = split * split_len;
+    if (t_begin >= n_keys) return;
+    const int t_end = min(t_begin + split_len, n_keys);
 
+    const Cache cache{k_cache + (size_t)kv_head * DH * K_BITS / 8, v_cache + (size_t)kv_head * DH * V_BITS / 8,
+                      k_scales + kv_head * (DH / 32), v_scales + kv_head * (DH / 32),
+                      (size_t)n_kv_heads * DH * K_BITS / 8, (size_t)n_kv_heads * DH * V_BITS / 8,
+                      n_kv_heads * DH / 32};
+    const int* table = block_tables + (size_t)seq * max_pages;
+
+    // the warp's first tile is in flight while the queries are staged
+    Tile<S> tile;
+    int t0 = t_begin + warp * S::KT;
+    if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
+
+    // quantized K: the queries rotated (R(q)/32), as fp16 B fragments: lane (g, qd) holds head g's k elements
+    if constexpr (K_BITS != 16) {
+#pragma unroll
+        for (int i = 0; i < Q_PER_THREAD; i++) {
+            const int e = tid + i * THREADS;
+            if (e < HEADS * DH) (&smem.q[0][0])[e] = q_reg[i];
+        }
+        __syncthreads();
+        for (int c = warp; c < HEADS * DH / 64; c += WARPS) {
+            float* chunk = &smem.q[0][0] + c * 64;
+            const float even = hadamard32(chunk[2 * lane], lane), odd = hadamard32(chunk[2 * lane + 1], lane);
+            chunk[2 * lane] = even * (1.f / 32.f);
+            chunk[2 * lane + 1] = odd * (1.f / 32.f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < S::STEPS; s++)
+#pragma unroll
+            for (int hi = 0; hi < 2; hi++)
+                qb[s][hi] = pack_half2(smem.q[g][k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 0))],
+                                       smem.q[g][k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 1))]);
+        __syncthreads();   // smem.q is reused for P
+    }
+
+    State<S> st;
+#pragma unroll
+    for (int h = 0; h < 2; h++) st.m[h] = neg_inf(), st.l[h] = 0.f;
+#pragma unroll
+    for (int t = 0; t < S::STEPS; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) st.acc[t][e] = 0.f;
+    while (t0 < t_end) {
+        attend_tile<DH, K_BITS, V_BITS, KT>(st, tile, qb, smem.p[warp], t0, t_end, scale_log2, lane);
+        t0 += WARPS * S::KT;
+        if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
+    }
+
+    // merge the warps: each writes its state; warp h then takes query head h
+#pragma unroll
+    for (int h = 0; h < 2; h++) st.l[h] = column_sum(st.l[h]);
+    __syncthreads();   // every warp is done with its P tile (aliased by acc)
+    if (g == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) m_s[warp][2 * qd + h] = st.m[h], l_s[warp][2 * qd + h] = st.l[h];
+    }
+#pragma unroll
+    for (int t = 0; t < S::STEPS; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            smem.acc[warp][2 * qd + (e & 1)][v_dim<S>(g, v_virtual<V_BITS>(t, e >> 1))] = st.acc[t][e];
+    __syncthreads();
+
+    const size_t head_row = (size_t)row * n_heads + head0 + warp;   // this warp's query head
+    if (warp < n_g) {
+        float m_max = m_s[0][warp];
+#pragma unroll
+        for (int w = 1; w < WARPS; w++) m_max = fmaxf(m_max, m_s[w][warp]);   // finite: warp 0 had keys
+        float l = 0.f;
+        float2 a[S::CHUNKS];
+#pragma unroll
+        for (int c = 0; c < S::CHUNKS; c++) a[c] = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float f = exp2f(m_s[w][warp] - m_max);   // 0 for warps without keys
+            l += l_s[w][warp] * f;
+#pragma unroll
+            for (int c = 0; c < S::CHUNKS; c++) {
+                const int e = c * 64 + 2 * lane;
+                if (e < DH) {
+                    a[c].x += f * smem.acc[w][warp][e];
+                    a[c].y += f * smem.acc[w][warp][e + 1];
+                }
+            }
+        }
+        if (n_used == 1) {
+            finish_row<DH, ROTATED>(a, l, out + head_row * DH, lane);
+        } else {
+            float* dst = part_acc + (head_row * n_splits + split) * DH;
+#pragma unroll
+            for (int c = 0; c < S::CHUNKS; c++) {
+                const int e = c * 64 + 2 * lane;
+                if (e < DH) *reinterpret_cast<float2*>(dst + e) = a[c];
+            }
+            if (lane == 0) part_ml[head_row * n_splits + split] = make_float2(m_max, l);
+        }
+    }
+    if (n_used == 1) return;
+
+    // several splits: the last block of the row to get here merges them
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* counter = counters + (size_t)row * gridDim.y + blockIdx.y;
+        last_s = atomicAdd(counter, 1) == n_used - 1;
+        if (last_s) *counter = 0;   // ready for the next launch
+    }
+    __syncthreads();
+    if (!last_s || warp >= n_g) return;
+    __threadfence();
+    const float2* ml = part_ml + head_row * n_splits;
+    const float* acc_rows = part_acc + head_row * n_splits * DH;
     float m_max = neg_inf();
-    for (int s = lane; s < n_used; s += 32) m_max = fmaxf(m_max, ml[s].x);
-    m_max = warp_max(m_max);
-    float sum = 0.f;
-    for (int s = lane; s < n_used; s += 32) sum += ml[s].y * exp2f(ml[s].x - m_max);
-    sum = warp_sum(sum);
-
-    float2 acc[CHUNKS];
+    for (int s = lane; s < n_used; s += 32) m_max = fmaxf(m_max, __ldcg(ml + s).x);
+    m_max = exl::warp_max(m_max);
+    float l = 0.f;
+    float2 a[S::CHUNKS];
 #pragma unroll
-    for (int c = 0; c < CHUNKS; c++) acc[c] = make_float2(0.f, 0.f);
-#pragma unroll 4
-    for (int s = 0; s < n_used; s++) {
-        const float weight = exp2f(ml[s].x - m_max);
+    for (int c = 0; c < S::CHUNKS; c++) a[c] = make_float2(0.f, 0.f);
+    for (int base = 0; base < n_used; base += 32) {   // lane j weighs split base + j; the lanes share the weights
+        const float2 x = base + lane < n_used ? __ldcg(ml + base + lane) : make_float2(neg_inf(), 0.f);
+        const float f_lane = exp2f(x.x - m_max);
+        l += x.y * f_lane;
+        const int count = min(32, n_used - base);
+#pragma unroll 8
+        for (int j = 0; j < count; j++) {
+            const float f = __shfl_sync(FULL_MASK, f_lane, j);
 #pragma unroll
-        for (int c = 0; c < CHUNKS; c++) {
-            const int e = c * 64 + 2 * lane;
-            if (e < DH) {
-                const float2 a = *reinterpret_cast<const float2*>(acc_rows + (size_t)s * DH + e);
-                acc[c].x += weight * a.x;
-                acc[c].y += weight * a.y;
+            for (int c = 0; c < S::CHUNKS; c++) {
+                const int e = c * 64 + 2 * lane;
+                if (e < DH) {
+                    const float2 y = __ldcg(reinterpret_cast<const float2*>(acc_rows + (size_t)(base + j) * DH + e));
+                    a[c].x += f * y.x;
+                    a[c].y += f * y.y;
+                }
             }
         }
     }
-    const float inv_sum = 1.f / sum;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; c++) {
-        if constexpr (ROTATED) {
-            acc[c].x = hadamard32(acc[c].x, lane) * (1.f / 32.f);
-            acc[c].y = hadamard32(acc[c].y, lane) * (1.f / 32.f);
-        }
-        const int e = c * 64 + 2 * lane;
-        if (e < DH) dst[e / 2] = __floats2half2_rn(acc[c].x * inv_sum, acc[c].y * inv_sum);
-    }
+    finish_row<DH, ROTATED>(a, exl::warp_sum(l), out + head_row * DH, lane);
 }
 
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------- entry points
-// attention_split_<mode>_d<DH>_g<GT>: modes fp16 (K, V fp16), q8 (8, 8 bits), q6 (K 8, V 4), q4 (4, 4).
+// paged_decode_<mode>_d<DH>: modes fp16 (K, V fp16), q8 (8, 8 bits), q6 (K 8, V 4), q4 (4, 4).
 // Cache pointers are passed as bytes; unused scale pointers may be null.
-
-// __launch_bounds__(128, 1): without the explicit minimum, ptxas caps registers for occupancy and spills the
-// accumulators of the 8-head variants.
-#define ATTENTION_SPLIT(NAME, DH, GT, KB, VB)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) NAME(                                           \
+// KT: keys per warp tile. MIN_BLOCKS: blocks per SM that __launch_bounds__ asks registers for (2: at most 128 per
+// thread); the variants whose tiles need more registers (ptxas spills at 128) keep one block of 8 warps per SM.
+// The launcher reads the resident blocks per SM off the compiled kernel.
+#define PAGED_DECODE(MODE, DH, KB, VB, KT, MIN_BLOCKS)                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) paged_decode_##MODE##_d##DH(              \
         const half* q, const unsigned char* k_cache, const unsigned char* v_cache, const half* k_scales,        \
         const half* v_scales, const int* block_tables, const int* seq_lens, const long long* positions,         \
-        const int* row_seq, float* part_acc, float2* part_ml, int n_heads, int n_kv_heads, int max_pages,        \
-        int page_size, int n_splits, float scale_log2) {                                                         \
-        attention_split<DH, GT, KB, VB>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,        \
-                                        positions, row_seq, part_acc, part_ml, n_heads, n_kv_heads, max_pages,   \
-                                        page_size, n_splits, scale_log2);                                        \
+        const int* row_seq, half* out, float* part_acc, float2* part_ml, int* counters, int n_heads,            \
+        int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2) {                         \
+        paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,           \
+                                     positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv_heads,  \
+                                     max_pages, page_size, n_splits, scale_log2);                                \
     }
 
-#define ATTENTION_SPLIT_GROUPS(MODE, DH, KB, VB)                                                                  \
-    ATTENTION_SPLIT(attention_split_##MODE##_d##DH##_g2, DH, 2, KB, VB)                                          \
-    ATTENTION_SPLIT(attention_split_##MODE##_d##DH##_g4, DH, 4, KB, VB)                                          \
-    ATTENTION_SPLIT(attention_split_##MODE##_d##DH##_g8, DH, 8, KB, VB)
-
-ATTENTION_SPLIT_GROUPS(fp16, 16, 16, 16)
-ATTENTION_SPLIT_GROUPS(fp16, 32, 16, 16)
-ATTENTION_SPLIT_GROUPS(fp16, 64, 16, 16)
-ATTENTION_SPLIT_GROUPS(fp16, 128, 16, 16)
-ATTENTION_SPLIT_GROUPS(q8, 64, 8, 8)
-ATTENTION_SPLIT_GROUPS(q8, 128, 8, 8)
-ATTENTION_SPLIT_GROUPS(q6, 64, 8, 4)
-ATTENTION_SPLIT_GROUPS(q6, 128, 8, 4)
-ATTENTION_SPLIT_GROUPS(q4, 64, 4, 4)
-ATTENTION_SPLIT_GROUPS(q4, 128, 4, 4)
-
-// attention_combine_d<DH>[_rotated]: the plain form for fp16 V, the rotated one for quantized V.
-#define ATTENTION_COMBINE(NAME, DH, ROTATED)                                                                      \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                    \
-        NAME(const float* part_acc, const float2* part_ml, const int* seq_lens, const long long* positions,      \
-             const int* row_seq, half* out, int n_rows, int n_heads, int n_splits) {                             \
-        attention_combine<DH, ROTATED>(part_acc, part_ml, seq_lens, positions, row_seq, out, n_rows, n_heads,   \
-                                       n_splits);                                                                \
-    }
-
-ATTENTION_COMBINE(attention_combine_d16, 16, false)
-ATTENTION_COMBINE(attention_combine_d32, 32, false)
-ATTENTION_COMBINE(attention_combine_d64, 64, false)
-ATTENTION_COMBINE(attention_combine_d128, 128, false)
-ATTENTION_COMBINE(attention_combine_d64_rotated, 64, true)
-ATTENTION_COMBINE(attention_combine_d128_rotated, 128, true)
+PAGED_DECODE(fp16, 16, 16, 16, 32, 2)
+PAGED_DECODE(fp16, 32, 16, 16, 32, 2)
+PAGED_DECODE(fp16, 64, 16, 16, 32, 1)
+PAGED_DECODE(fp16, 128, 16, 16, 32, 1)
+PAGED_DECODE(q8, 64, 8, 8, 32, 2)
+PAGED_DECODE(q8, 128, 8, 8, 32, 1)
+PAGED_DECODE(q6, 64, 8, 4, 32, 2)
+PAGED_DECODE(q6, 128, 8, 4, 32, 1)
+PAGED_DECODE(q4, 64, 4, 4, 32, 2)
+PAGED_DECODE(q4, 128, 4, 4, 64, 1)

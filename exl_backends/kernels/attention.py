@@ -1,10 +1,12 @@
-"""Paged attention on CUDA (ops.paged_attention): the split-K kernels of attention.cu for query rows that are
+"""Paged attention on CUDA (ops.paged_attention): the split-K decode kernels of attention.cu for query rows that are
 alone (or nearly) in their sequence, and torch's scaled_dot_product_attention over gathered fp16 K/V for prompts.
 
-Decode batches (one new token per sequence, the case captured in a CUDA graph) go to the split-K kernels with no
-host reads: the grid depends only on the batch size and the block table's width. Mixed batches (eager) read the
+Decode batches (one new token per sequence, the case captured in a CUDA graph) go to the decode kernel with no host
+reads: the grid depends only on the batch size and the block table's width. Mixed batches (eager) read the
 sequence lengths on the host once per call and send each sequence its own way."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -13,24 +15,20 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError
 from . import kv_cache
-from .loader import launch
+from .loader import compute_capability, launch, module
 
-LOG2E = 1.4426950408889634      # the kernels' softmax works in base 2
-WARPS = 4                       # warps per block of both kernels
-PAGE_ALIGN = 32                 # a 32-key tile of the split kernel must not cross a page
+LOG2E = 1.4426950408889634      # the kernel's softmax works in base 2
+THREADS = 256                   # attention.cu: 8 warps per block
+HEADS_PER_BLOCK = 8             # query heads per block (the mma's n); larger groups span blocks
+PAGE_ALIGN = 32                 # a 32-key tile of the kernel must not cross a page
 HEAD_DIMS = {"fp16": (16, 32, 64, 128), "q8": (64, 128), "q6": (64, 128), "q4": (64, 128)}
-GROUP_TILES = (2, 4, 8)         # query heads per split block (compiled variants); larger groups span blocks
-BLOCKS_PER_SM = 4               # split-K: enough blocks for about one full wave of resident blocks
-MIN_SPLIT_KEYS = 64             # attention.cu's MIN_SPLIT: no more splits than a full block table fills
-ROW_KERNEL_MAX_NEW = 8          # mixed batches: sequences with at most this many new tokens use the split kernel
+REGISTERS_PER_SM = 65536
+MIN_SPLIT_KEYS = 256            # attention.cu's MIN_SPLIT: no more splits than a full block table fills
+COUNTERS = 4096                 # initial size of the per-device split counters (grown on demand)
+ROW_KERNEL_MAX_NEW = 8          # mixed batches: sequences with at most this many new tokens use the decode kernel
 QUERY_CHUNK = 4096              # prefill: query rows per scaled_dot_product_attention call
 
-SPLIT_KERNELS = {(mode, dh, tile): f"attention_split_{mode}_d{dh}_g{tile}"
-                 for mode, dims in HEAD_DIMS.items() for dh in dims for tile in GROUP_TILES}
-COMBINE_KERNELS = {   # (head_dim, V quantized) -> the combine kernel (quantized V is un-rotated there)
-    (16, False): "attention_combine_d16", (32, False): "attention_combine_d32",
-    (64, False): "attention_combine_d64", (128, False): "attention_combine_d128",
-    (64, True): "attention_combine_d64_rotated", (128, True): "attention_combine_d128_rotated"}
+DECODE_KERNELS = {(mode, dh): f"paged_decode_{mode}_d{dh}" for mode, dims in HEAD_DIMS.items() for dh in dims}
 
 
 def check_cache(cache) -> None:
@@ -59,34 +57,62 @@ def paged_attention(q: Tensor, cache, layer: int, batch, scale: float) -> Tensor
 def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Tensor | None,
             scale: float) -> Tensor:
     """Attention of single query rows: q [R, H, Dh] at positions [R] (int64), row r of sequence row_seq[r]
-    (int32 [R]; None: r). Two launches, no host reads, so CUDA-graph safe."""
+    (int32 [R]; None: r). One launch, no host reads, so CUDA-graph safe."""
+    q = q.contiguous()
+    if q.data_ptr() % 16:           # the kernel reads query rows in 16-byte pieces
+        q = q.clone()
     rows, n_heads, head_dim = q.shape
     n_kv = cache.config.n_kv_heads
-    group = n_heads // n_kv
-    tile = next(t for t in GROUP_TILES if t >= min(group, GROUP_TILES[-1]))
-    head_blocks = -(-group // tile)
+    head_blocks = -(-(n_heads // n_kv) // HEADS_PER_BLOCK)
     max_pages = batch.block_tables.shape[1]
-    n_splits = _n_splits(rows * n_kv * head_blocks, max_pages * batch.page_size, q.device)
-    part_acc = torch.empty(rows, n_heads, n_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(rows, n_heads, n_splits, 2, dtype=torch.float32, device=q.device)   # (max, sum)
-    c = cache.layers[layer]
-    launch("attention", SPLIT_KERNELS[cache.mode, head_dim, tile], grid=(n_splits, n_kv * head_blocks, rows),
-           block=(WARPS * 32,),
-           args=(q.contiguous(), c.k, c.v, c.k_scales, c.v_scales, batch.block_tables, batch.seq_lens, positions,
-                 row_seq, part_acc, part_ml, n_heads, n_kv, max_pages, batch.page_size, n_splits, scale * LOG2E))
+    kernel = DECODE_KERNELS[cache.mode, head_dim]
+    n_splits = _n_splits(kernel, rows * n_kv * head_blocks, max_pages * batch.page_size, q.device)
     out = torch.empty_like(q)
-    launch("attention", COMBINE_KERNELS[head_dim, cache.bits is not None], grid=(-(-rows * n_heads // WARPS),),
-           block=(WARPS * 32,),
-           args=(part_acc, part_ml, batch.seq_lens, positions, row_seq, out, rows, n_heads, n_splits))
+    part_acc = part_ml = counters = None
+    if n_splits > 1:   # rows whose keys need several splits merge them in the kernel's last block
+        part_acc = torch.empty(rows, n_heads, n_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(rows, n_heads, n_splits, 2, dtype=torch.float32, device=q.device)   # (max, sum)
+        counters = _counters(q.device, _size_class(rows * n_kv * head_blocks))
+    c = cache.layers[layer]
+    if rows:
+        launch("attention", kernel, grid=(n_splits, n_kv * head_blocks, rows),
+               block=(THREADS,),
+               args=(q, c.k, c.v, c.k_scales, c.v_scales, batch.block_tables, batch.seq_lens,
+                     positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv, max_pages,
+                     batch.page_size, n_splits, scale * LOG2E))
     return out
 
 
-def _n_splits(blocks_per_split: int, max_keys: int, device: torch.device) -> int:
-    """Splits per row: about BLOCKS_PER_SM blocks per SM in all, fewer when the block table is short. Each row
-    then cuts its actual keys into this many equal splits (on the device)."""
-    n_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-BLOCKS_PER_SM * n_sms // blocks_per_split)
+def _n_splits(kernel: str, blocks_per_split: int, max_keys: int, device: torch.device) -> int:
+    """Splits per row: about one wave of resident blocks in all (never a second, partial one), fewer when the
+    block table is short. Each row then cuts its actual keys into this many equal splits (on the device)."""
+    want = _resident_blocks(kernel, device) // blocks_per_split
     return max(1, min(want, -(-max_keys // MIN_SPLIT_KEYS)))
+
+
+@functools.cache
+def _resident_blocks(kernel: str, device: torch.device) -> int:
+    """Blocks of `kernel` the whole GPU holds at once: its registers decide (64K per SM; its shared memory
+    allows more blocks)."""
+    regs = module("attention", compute_capability(device)).get_function(kernel).num_regs
+    per_sm = REGISTERS_PER_SM // (-(-regs // 8) * 8 * THREADS)     # registers are allocated in steps of 8
+    return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _size_class(n: int) -> int:
+    """n rounded up to COUNTERS times a power of two, so that few counter buffers exist per device."""
+    size = COUNTERS
+    while size < n:
+        size *= 2
+    return size
+
+
+@functools.cache
+def _counters(device: torch.device, size: int) -> Tensor:
+    """int32 [size] zeros for the kernel's per-(row, head block) split counters. Each launch leaves them zero
+    (the last block of a row resets its counter), so one buffer serves every launch on the device; launches on
+    one device must not run concurrently on different streams."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def _mixed(q: Tensor, cache, layer: int, batch, scale: float) -> Tensor:

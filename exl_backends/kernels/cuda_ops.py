@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import reference
 from ..ops import Ops
-from . import activation, attention, norm, rope
+from . import activation, attention, kv_cache, norm, rope
 
 OPS = Ops(
     embedding=reference.embedding,
@@ -14,4 +14,5 @@ OPS = Ops(
     apply_rope=rope.apply_rope,
     silu_mul=activation.silu_mul,
     paged_attention=attention.paged_attention,
+    rope_write=kv_cache.rope_write,
 )

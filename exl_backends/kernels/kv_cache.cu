@@ -1,4 +1,5 @@
-// KV-cache writes: fp16 rows copied into their slots, or quantized on the way in (q8/q6/q4), and the
+// KV-cache writes: fp16 rows copied into their slots, or quantized on the way in (q8/q6/q4), optionally fused with
+// RoPE on the queries and keys (rope_kv_write: the one launch between the q/k/v projections and attention), and the
 // dequantization of quantized slots back to fp16 (for prefill attention). The quantized layout is
 // reference.quantize_kv's (ExLlamaV2's Q-cache): per token, the flat vector x[E] (E = n_kv_heads * head_dim) is cut
 // into 64-element chunks; the even and the odd elements of a chunk each get an unnormalised 32-point Walsh-Hadamard
@@ -8,7 +9,9 @@
 //
 // Every f32 operation below is the one the reference does, in the same order (the butterfly order of
 // reference._hadamard32, the rounding intrinsics so that --use_fast_math cannot fuse or approximate them), so codes
-// and scales come out bit-identical to the reference run by torch on the same GPU.
+// and scales come out bit-identical to the reference run by torch on the same GPU. RoPE rounds as
+// reference.apply_rope: out = fp16(fp16(x * cos) + fp16(rotate_half(x) * sin)), rotate_half(x) = [-x2, x1] over the
+// halves of the head (a product of two fp16 values is exact in f32, so one rounding is torch's fp16 multiply).
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -20,11 +23,11 @@ using exl::hadamard32;
 
 constexpr int WARPS = 4;   // warps per block; each warp handles one 64-element chunk
 
-// Lane l of the warp owns elements 2l (even) and 2l+1 (odd) of one chunk: quantizes both, writes their codes, and
-// lanes 0 and 16 write the scales of the chunk's two groups (lanes 0-15 hold group 0, lanes 16-31 group 1).
-__device__ __forceinline__ void quantize_chunk(const half2* __restrict__ x, unsigned char* __restrict__ codes,
-                                               half* __restrict__ scales, int chunk, int bits, int lane) {
-    const float2 xf = __half22float2(x[chunk * 32 + lane]);
+// Lane l of the warp owns elements 2l (even) and 2l+1 (odd) of one chunk, x: quantizes both, writes their codes,
+// and lanes 0 and 16 write the scales of the chunk's two groups (lanes 0-15 hold group 0, lanes 16-31 group 1).
+__device__ __forceinline__ void quantize_chunk(half2 x, unsigned char* __restrict__ codes, half* __restrict__ scales,
+                                               int chunk, int bits, int lane) {
+    const float2 xf = __half22float2(x);
     const float ye = hadamard32(xf.x, lane);
     const float yo = hadamard32(xf.y, lane);
     float amax = fmaxf(fabsf(ye), fabsf(yo));
@@ -66,6 +69,79 @@ __device__ __forceinline__ half2 dequantize_chunk(const unsigned char* __restric
     return __floats2half2_rn(__fmul_rn(ye, 1.f / 32.f), __fmul_rn(yo, 1.f / 32.f));
 }
 
+
+__device__ __forceinline__ half mul(half a, half b) {
+    return __float2half_rn(__fmul_rn(__half2float(a), __half2float(b)));
+}
+
+__device__ __forceinline__ half add(half a, half b) {
+    return __float2half_rn(__fadd_rn(__half2float(a), __half2float(b)));
+}
+
+// Elements d, d+1 (d even) of the head row x [head_dim] after RoPE with the token's cos/sin rows [head_dim].
+__device__ __forceinline__ half2 rope_pair(const half* __restrict__ x, const half* __restrict__ cos,
+                                           const half* __restrict__ sin, int d, int head_dim) {
+    const int h = head_dim / 2;
+    const half2 xv = *reinterpret_cast<const half2*>(x + d);
+    const half2 other = *reinterpret_cast<const half2*>(x + (d < h ? d + h : d - h));
+    const half2 rot = d < h ? __hneg2(other) : other;
+    const half2 c = *reinterpret_cast<const half2*>(cos + d), s = *reinterpret_cast<const half2*>(sin + d);
+    return __halves2half2(add(mul(__low2half(xv), __low2half(c)), mul(__low2half(rot), __low2half(s))),
+                          add(mul(__high2half(xv), __high2half(c)), mul(__high2half(rot), __high2half(s))));
+}
+
+// rope_kv_write<QUANT>: for T tokens, q_out = rope(q); rope(k) and v into the cache at slots[t].
+// q [T, H, Dh], k and v [T, Hkv, Dh] fp16 (contiguous, 4-byte aligned); cos, sin [T, Dh] fp16; Dh % 4 == 0.
+// Each lane handles one pair of elements (2i, 2i+1) of a token's flattened q, k or v row; per token the warps are
+// wq = ceil(H*Dh/64) for q, then wkv = ceil(Hkv*Dh/64) for k, then wkv for v (quantized: Hkv*Dh % 64 == 0, so warp
+// w of k or v is exactly 64-element chunk w, quantized as kv_write_quant does). grid ceil(T * (wq + 2*wkv) / 4),
+// block 128.
+template <bool QUANT>
+__device__ __forceinline__ void rope_kv_write(const half* __restrict__ q, const half* __restrict__ k,
+                                              const half* __restrict__ v, const half* __restrict__ cos,
+                                              const half* __restrict__ sin, half* __restrict__ q_out,
+                                              unsigned char* __restrict__ k_cache, unsigned char* __restrict__ v_cache,
+                                              half* __restrict__ k_scales, half* __restrict__ v_scales,
+                                              const long long* __restrict__ slots, int n_tokens, int n_heads,
+                                              int n_kv_heads, int head_dim, int k_bits, int v_bits) {
+    const int lane = threadIdx.x & 31;
+    const int q_pairs = n_heads * head_dim / 2, kv_pairs = n_kv_heads * head_dim / 2;
+    const int wq = (q_pairs + 31) / 32, wkv = (kv_pairs + 31) / 32;
+    const long long job = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (job >= (long long)n_tokens * (wq + 2 * wkv)) return;   // whole warps exit; no block barrier follows
+    const int t = (int)(job / (wq + 2 * wkv));
+    int w = (int)(job % (wq + 2 * wkv));
+    const half* cs = cos + (size_t)t * head_dim;
+    const half* sn = sin + (size_t)t * head_dim;
+    if (w < wq) {
+        const int e = 2 * (w * 32 + lane);
+        if (e < 2 * q_pairs) {
+            const size_t base = (size_t)t * n_heads * head_dim + e / head_dim * head_dim;
+            *reinterpret_cast<half2*>(q_out + (size_t)t * n_heads * head_dim + e) =
+                rope_pair(q + base, cs, sn, e % head_dim, head_dim);
+        }
+        return;
+    }
+    w -= wq;
+    const bool is_k = w < wkv;
+    if (!is_k) w -= wkv;
+    const int e = 2 * (w * 32 + lane);
+    const int width = n_kv_heads * head_dim;
+    const half* src = (is_k ? k : v) + (size_t)t * width;
+    const size_t slot = (size_t)slots[t];
+    if constexpr (QUANT) {
+        const half2 x = is_k ? rope_pair(src + e / head_dim * head_dim, cs, sn, e % head_dim, head_dim)
+                             : *reinterpret_cast<const half2*>(src + e);
+        const int bits = is_k ? k_bits : v_bits;
+        quantize_chunk(x, (is_k ? k_cache : v_cache) + slot * (width * bits / 8),
+                       (is_k ? k_scales : v_scales) + slot * (width / 32), w, bits, lane);
+    } else if (e < width) {
+        const half2 x = is_k ? rope_pair(src + e / head_dim * head_dim, cs, sn, e % head_dim, head_dim)
+                             : *reinterpret_cast<const half2*>(src + e);
+        *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + slot * width + e) = x;
+    }
+}
+
 }  // namespace
 
 // kv_write_f16: copies the rows k[T, E] and v[T, E] (fp16) into k_cache/v_cache[slots[t], E].
@@ -102,7 +178,26 @@ extern "C" __global__ void kv_write_quant(const half* __restrict__ k, const half
     const half2* x = reinterpret_cast<const half2*>((is_k ? k : v) + (size_t)t * width);
     unsigned char* codes = (is_k ? k_codes : v_codes) + slot * (width * bits / 8);
     half* scales = (is_k ? k_scales : v_scales) + slot * (width / 32);
-    quantize_chunk(x, codes, scales, chunk, bits, lane);
+    quantize_chunk(x[chunk * 32 + lane], codes, scales, chunk, bits, lane);
+}
+
+// rope_kv_write_f16 / rope_kv_write_quant: see rope_kv_write (k_cache, v_cache: fp16 rows [slots, E] or codes; the
+// scale pointers are null for fp16).
+extern "C" __global__ void rope_kv_write_f16(const half* q, const half* k, const half* v, const half* cos,
+                                             const half* sin, half* q_out, unsigned char* k_cache,
+                                             unsigned char* v_cache, const long long* slots, int n_tokens,
+                                             int n_heads, int n_kv_heads, int head_dim) {
+    rope_kv_write<false>(q, k, v, cos, sin, q_out, k_cache, v_cache, nullptr, nullptr, slots, n_tokens, n_heads,
+                         n_kv_heads, head_dim, 16, 16);
+}
+
+extern "C" __global__ void rope_kv_write_quant(const half* q, const half* k, const half* v, const half* cos,
+                                               const half* sin, half* q_out, unsigned char* k_codes,
+                                               unsigned char* v_codes, half* k_scales, half* v_scales,
+                                               const long long* slots, int n_tokens, int n_heads, int n_kv_heads,
+                                               int head_dim, int k_bits, int v_bits) {
+    rope_kv_write<true>(q, k, v, cos, sin, q_out, k_codes, v_codes, k_scales, v_scales, slots, n_tokens, n_heads,
+                        n_kv_heads, head_dim, k_bits, v_bits);
 }
 
 // kv_dequantize: the K and V of slots[l] (l < L) -> k_out, v_out [L, E] fp16, bit-identical to

@@ -1,5 +1,6 @@
 """Launchers for kv_cache.cu: writing K/V rows into the paged cache (fp16, or quantized as reference.quantize_kv
-does) and reading slots back dequantized to fp16 (the prefill attention path)."""
+does), the same fused with RoPE on q and k (one launch per layer), and reading slots back dequantized to fp16 (the
+prefill attention path)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,7 +11,7 @@ from torch import Tensor
 from .loader import launch
 
 THREADS = 128
-WARPS = THREADS // 32   # kv_write_quant / kv_dequantize: one warp per 64-element chunk
+WARPS = THREADS // 32   # kv_write_quant / kv_dequantize / rope_kv_write: one warp per 64 elements
 
 
 def writer(bits: tuple[int, int] | None) -> Callable[[object, Tensor, Tensor, Tensor], None]:
@@ -37,6 +38,37 @@ def _write_fp16(c, k: Tensor, v: Tensor, slots: Tensor) -> None:
     if k.shape[0]:
         launch("kv_cache", "kv_write_f16", grid=(k.shape[0], 2), block=(THREADS,),
                args=(k, v, c.k, c.v, slots.to(torch.int64).contiguous(), k.shape[1]))
+
+
+def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache, layer: int,
+               slots: Tensor) -> Tensor:
+    """ops.rope_write on CUDA, one launch: RoPE on q [T, H, Dh] and k [T, Hkv, Dh] (cos, sin [T, Dh]), k and v into
+    the cache's slots [T] (int64; quantized on the way in for q modes); returns the rotated q [T, H, Dh] fp16.
+    Bit-identical to reference.apply_rope followed by KVCache.write."""
+    tokens, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    if head_dim % 4:
+        raise ValueError(f"rope_write needs head_dim % 4 == 0 (got {head_dim})")
+    q, k, v, cos, sin = (_aligned(x) for x in (q, k, v, cos, sin))
+    q_out = torch.empty_like(q)
+    warps = -(-n_heads * head_dim // 64) + 2 * -(-n_kv * head_dim // 64)      # per token: q, then k, then v
+    if tokens:
+        c = cache.layers[layer]
+        slots = slots.to(torch.int64).contiguous()
+        if cache.bits is None:
+            launch("kv_cache", "rope_kv_write_f16", grid=(-(-tokens * warps // WARPS),), block=(THREADS,),
+                   args=(q, k, v, cos, sin, q_out, c.k, c.v, slots, tokens, n_heads, n_kv, head_dim))
+        else:
+            launch("kv_cache", "rope_kv_write_quant", grid=(-(-tokens * warps // WARPS),), block=(THREADS,),
+                   args=(q, k, v, cos, sin, q_out, c.k, c.v, c.k_scales, c.v_scales, slots, tokens, n_heads, n_kv,
+                         head_dim, *cache.bits))
+    return q_out
+
+
+def _aligned(x: Tensor) -> Tensor:
+    """Contiguous fp16 with 4-byte aligned rows (rope_kv_write moves element pairs)."""
+    x = x.to(torch.float16).contiguous()
+    return x if x.data_ptr() % 4 == 0 else x.clone()
 
 
 def _rows(x: Tensor) -> Tensor:

@@ -1,10 +1,10 @@
 // RMSNorm, with the roundings of reference.rmsnorm: x in f32, y = fp16(x * rsqrt(mean(x^2) + eps)), then the fp16
 // product w * y. add_rmsnorm first forms the new residual r = fp16(x + residual), writes it, and normalises r.
 //
-// grid (rows), block 256: one block per row. VEC = 8 moves the row in 16-byte vectors (dim % 8 == 0 and aligned
-// rows, checked by the launcher), VEC = 1 element by element. Pass 1: each thread sums the squares of its elements
-// (and writes its part of r); a block reduction gives the row's sum. Pass 2: each thread normalises its own
-// elements again (re-reading what it read or wrote itself, so no barrier is needed on global memory).
+// grid (rows), block 256: one block per row, one pass. Thread i holds the VEC-element vectors i, i + 256, ...,
+// (at most NV of them, dim <= 256 * VEC * NV) in registers, and loads them and its weights at once; a block
+// reduction gives the row's sum of squares. VEC = 8 moves 16-byte vectors (dim % 8 == 0 and aligned rows, checked by
+// the launcher), VEC = 1 single elements. A decode step's rows are latency-bound: one round of loads, one barrier.
 #include <cuda_fp16.h>
 
 namespace {
@@ -56,59 +56,71 @@ __device__ __forceinline__ float inverse_rms(float sum_sq, int dim, float eps) {
 }
 
 template <int VEC>
-__device__ void rmsnorm(const half* __restrict__ x, const half* __restrict__ w, half* __restrict__ out, int dim,
-                        float eps) {
-    const size_t base = (size_t)blockIdx.x * dim;
-    float sum_sq = 0.f;
-    for (int i = threadIdx.x * VEC; i < dim; i += THREADS * VEC) {
-        const Pack<VEC> v = load<VEC>(x + base + i);
+__device__ __forceinline__ float sum_squares(const Pack<VEC>& r) {
+    float s = 0.f;
 #pragma unroll
-        for (int j = 0; j < VEC; j++) sum_sq += __half2float(v.h[j]) * __half2float(v.h[j]);
-    }
-    const float inv_rms = inverse_rms(block_sum(sum_sq), dim, eps);
-    for (int i = threadIdx.x * VEC; i < dim; i += THREADS * VEC)
-        store<VEC>(out + base + i, normalise<VEC>(load<VEC>(x + base + i), load<VEC>(w + i), inv_rms));
+    for (int j = 0; j < VEC; j++) s += __half2float(r.h[j]) * __half2float(r.h[j]);
+    return s;
 }
 
-template <int VEC>
-__device__ void add_rmsnorm(const half* __restrict__ x, const half* __restrict__ residual,
-                            const half* __restrict__ w, half* __restrict__ out, half* __restrict__ new_residual,
-                            int dim, float eps) {
+// rmsnorm (RESIDUAL false: r = x) or add_rmsnorm (r = fp16(x + residual), written to new_residual) of row blockIdx.x.
+template <int VEC, int NV, bool RESIDUAL>
+__device__ __forceinline__ void norm_row(const half* __restrict__ x, const half* __restrict__ residual,
+                                         const half* __restrict__ w, half* __restrict__ out,
+                                         half* __restrict__ new_residual, int dim, float eps) {
     const size_t base = (size_t)blockIdx.x * dim;
-    float sum_sq = 0.f;
-    for (int i = threadIdx.x * VEC; i < dim; i += THREADS * VEC) {
-        const Pack<VEC> a = load<VEC>(x + base + i), b = load<VEC>(residual + base + i);
-        Pack<VEC> r;
+    Pack<VEC> r[NV], wv[NV], b[NV];
 #pragma unroll
-        for (int j = 0; j < VEC; j++) {
-            r.h[j] = __float2half_rn(__fadd_rn(__half2float(a.h[j]), __half2float(b.h[j])));
-            sum_sq += __half2float(r.h[j]) * __half2float(r.h[j]);
+    for (int k = 0; k < NV; k++) {
+        const int i = (threadIdx.x + k * THREADS) * VEC;
+        if (i < dim) {
+            r[k] = load<VEC>(x + base + i);
+            wv[k] = load<VEC>(w + i);
+            if constexpr (RESIDUAL) b[k] = load<VEC>(residual + base + i);
         }
-        store<VEC>(new_residual + base + i, r);
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        const int i = (threadIdx.x + k * THREADS) * VEC;
+        if (i < dim) {
+            if constexpr (RESIDUAL) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+                    r[k].h[j] = __float2half_rn(__fadd_rn(__half2float(r[k].h[j]), __half2float(b[k].h[j])));
+                store<VEC>(new_residual + base + i, r[k]);
+            }
+            sum_sq += sum_squares<VEC>(r[k]);
+        }
     }
     const float inv_rms = inverse_rms(block_sum(sum_sq), dim, eps);
-    for (int i = threadIdx.x * VEC; i < dim; i += THREADS * VEC)
-        store<VEC>(out + base + i, normalise<VEC>(load<VEC>(new_residual + base + i), load<VEC>(w + i), inv_rms));
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        const int i = (threadIdx.x + k * THREADS) * VEC;
+        if (i < dim) store<VEC>(out + base + i, normalise<VEC>(r[k], wv[k], inv_rms));
+    }
 }
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    rmsnorm_f16_vec8(const half* x, const half* w, half* out, int dim, float eps) {
-    rmsnorm<8>(x, w, out, dim, eps);
-}
+// rmsnorm_f16_v<VEC>_n<NV> / add_rmsnorm_f16_v<VEC>_n<NV>: dim <= 256 * VEC * NV.
+#define NORM_KERNELS(VEC, NV)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
+        rmsnorm_f16_v##VEC##_n##NV(const half* x, const half* w, half* out, int dim, float eps) {                \
+        norm_row<VEC, NV, false>(x, nullptr, w, out, nullptr, dim, eps);                                        \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) add_rmsnorm_f16_v##VEC##_n##NV(                       \
+        const half* x, const half* residual, const half* w, half* out, half* new_residual, int dim, float eps) { \
+        norm_row<VEC, NV, true>(x, residual, w, out, new_residual, dim, eps);                                   \
+    }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    rmsnorm_f16(const half* x, const half* w, half* out, int dim, float eps) {
-    rmsnorm<1>(x, w, out, dim, eps);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS) add_rmsnorm_f16_vec8(
-    const half* x, const half* residual, const half* w, half* out, half* new_residual, int dim, float eps) {
-    add_rmsnorm<8>(x, residual, w, out, new_residual, dim, eps);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS) add_rmsnorm_f16(
-    const half* x, const half* residual, const half* w, half* out, half* new_residual, int dim, float eps) {
-    add_rmsnorm<1>(x, residual, w, out, new_residual, dim, eps);
-}
+NORM_KERNELS(8, 1)
+NORM_KERNELS(8, 2)
+NORM_KERNELS(8, 4)
+NORM_KERNELS(8, 8)
+NORM_KERNELS(8, 16)
+NORM_KERNELS(1, 1)
+NORM_KERNELS(1, 2)
+NORM_KERNELS(1, 4)
+NORM_KERNELS(1, 8)
+NORM_KERNELS(1, 16)

@@ -13,37 +13,51 @@
 //   one LOP3 turns a pair into a half2 (pair_bits below; quant_matmul.PAIR_BITS is the same table, tested). The
 //   lane's B words are stored in planes of 16, 8 and 4 bytes per lane (B=3: 8+4, B=5: 16+4, B=6: 16+8,
 //   B=8: 16+16), so every load instruction of a warp reads one contiguous, aligned span.
-//   Memory order: [strip][chunk][plane][lane]; chunk c of a strip starts at word 32 * bits_prefix[c].
-//   Tables (int32): bits_prefix[C+1] (running sum of chunk widths), run_bounds[7] (the chunks of width 8, 6, 5, 4,
-//   3, 2 are run_bounds[i]..run_bounds[i+1]), chunk_meta[C] (int2, byte offsets of the chunk's group in the
-//   metadata below; EXL2: x = in meta0, y = the group's scale base fp16(q_scale_max * 2^-8) in both halves; GPTQ:
-//   x = in meta0, y = in meta1). Per group and strip:
-//     EXL2  meta0 = scale codes, 4 words per (group, strip): lane g's 16 bits in word g/2, half g%2, bytes
+//   Memory order: [strip][chunk][plane][lane], so a warp's chunk range is one contiguous span. The chunks of width
+//   WIDTHS[i] = 8, 6, 5, 4, 3, 2 are run_start[i]..run_start[i+1], starting at word run_word[i] of a strip (Part
+//   fields). chunk_meta[C] (int2): x = the chunk's group index g; y = EXL2:
+//   the group's scale base fp16(q_scale_max * 2^-8) in both halves (GPTQ: unused). Per-group metadata is
+//   strip-major, so a warp's records are contiguous too:
+//     EXL2  meta0 = scale codes, [strip][g][4 words]: lane g's 16 bits in word g/2, half g%2, bytes
 //                   (c_j0 | c_j2 << 4, c_j1 | c_j3 << 4) with c the 4-bit scale code of column col(j).
-//     GPTQ  meta0 = fp16 scales [group][strip][g][j]; meta1 = zero points, uint8 [group][strip][g][j].
+//     GPTQ  meta0 = fp16 scales [strip][g][8][4] ([..][g][j]: lane g, column col(j)); meta1 = zero points, uint8
+//                   [strip][g][8][4].
 //
 // DECODE ("magic number" dequant): OR-ing 0x6400 into a half that holds code << i (i <= 10 - B) gives the fp16
-//   number 1024 + code * 2^i exactly; one HFMA2 by 2^-i with -(1024 * 2^-i + z) gives (code - z) exactly.
+//   number 1024 + code * 2^i exactly; one HFMA2 by 2^-i with -(1024 * 2^-i + z) gives (code - z) exactly. The
+//   matmul skips the HFMA2 for B = 4, 6, 8 (FOLDED below): there i depends only on a chunk row's position, so 2^-i
+//   moves into the staged x and the offset becomes one correction per chunk and x row.
+//
+// LAUNCH PARAMETERS  One Params struct by value (__grid_constant__: read from the constant bank, so a block
+//   knows its weights' addresses without a dependent load). It describes up to MAX_PARTS weights ("parts") that
+//   share x and K (q/k/v, gate/up: one launch), each with its own layout, group tables, permutation, bias, output
+//   and plan: blocks part.block0 .. + col_blocks * n_splits, block b of a part covering strips
+//   8 (b % col_blocks) .. + 7 and chunks split_chunk[s] .. split_chunk[s + 1] with s = b / col_blocks.
+//   quant_matmul.PARAMS_DTYPE mirrors the struct (a host test compares their offsets).
 //
 // MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16)
-//   grid (ceil(strips / 8), splits), block 256 = 8 warps, dynamic shared memory M * xs_stride halves.
-//   Block (bx, split) covers strips 8bx..8bx+7 and chunks [split_starts[split], split_starts[split+1]) (the
-//   launcher balances the splits by bytes). All 256 threads first gather x's rows of the chunk range into shared
-//   memory in stored order. Then warp w owns strip 8bx + w and walks its chunks in batches (the batch 4 KB ahead is
-//   prefetched into L2, so many DRAM reads are in flight without holding registers): per chunk each lane
-//   decodes its 32 codes into 16 half2 values (code - z) and issues m16n8k16 MMAs with A = 16 columns x 16 rows
-//   of (code - z), B = 16 rows x 8 rows of x from shared memory, C = fp32 partial of the current group. At each
-//   group change the partial is scaled by the group's per-column scale (fp32) and added to the accumulator, so
-//   results are exact products accumulated in fp32. The EXL2 scale is computed exactly as
-//   fp16((c + 1)^2 * fp16(q_scale_max * 2^-8)).
-//   splits == 1: the warp adds bias and writes y (fp16). splits > 1: the warp writes its fp32 partial to ws
-//   [split][M][Np], then counts itself in counters[strip]; the last warp of a strip to finish sums the partials
-//   in split order (deterministic), adds bias, writes y, and resets the counter to 0 for the next launch.
+//   grid (sum of the parts' blocks), block 256 = 8 warps, dynamic shared memory: M * xs_stride halves of x, the
+//   split's chunk_meta entries, then its corrections (float2 per chunk and x row). The launcher sizes the grid to
+//   one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
+//   (PREFETCH_BYTES) and all group records of its range: addresses from the parameters only, so DRAM is busy from
+//   the kernel's first instructions. Then all 256 threads gather x's rows of the split into shared memory in
+//   stored order (x' = x * 2^-i for FOLDED rows), its chunk_meta entries, and the corrections. Then warp w owns
+//   strip 8bx + w and walks its chunks in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so
+//   DRAM reads are in flight without holding registers): per chunk each lane decodes its 32 codes into 16 half2
+//   values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with A = 16 columns x 16 rows of them,
+//   B = 16 rows x 8 rows of x from shared memory, C = fp32 partial of the current group. At each group change the
+//   partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the
+//   accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the
+//   larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
+//   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
+//   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
+//   for the next launch.
 //
 // DEQUANT KERNELS  <fmt>_dequant
-//   grid (ceil(strips / 8), splits), block 256, static shared memory 20 KB. Warp w of block (bx, split) decodes
-//   strip 8bx + w over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference),
-//   stages each 32 x 32 tile in shared memory and writes its rows to w_out[perm[k']][strip cols] (row stride Np).
+//   Same Params (one part, its own plan), block 256, static shared memory 20 KB. Warp w of block b decodes its
+//   strip over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference), stages each
+//   32 x 32 tile in shared memory and writes its rows to w_out[perm[k']][strip cols] (row stride Np).
 #include "common.cuh"
 
 namespace qmm {
@@ -52,8 +66,14 @@ using namespace exl;
 
 constexpr int WARPS = 8;                 // strips per block
 constexpr int THREADS = WARPS * 32;
-constexpr int TILE_STRIDE = 40;         // halves per row of a dequant tile: 32 + 8 pad, rows stay 16-byte aligned
-constexpr int PREFETCH_WORDS = 1024;     // L2 prefetch distance, 4 KB of a strip: about 1-2 us of one warp's reads
+constexpr int MAX_PARTS = 3;             // weights per launch (q, k, v)
+constexpr int MAX_SPLITS = 64;           // K splits of one part
+constexpr int N_WIDTHS = 6;
+constexpr int TILE_STRIDE = 40;          // halves per row of a dequant tile: 32 + 8 pad, rows stay 16-byte aligned
+#ifndef QMM_PREFETCH_BYTES                 // benchmarks/tune_matmul.py times other values
+#define QMM_PREFETCH_BYTES 4096            // 2 KB and 8 KB measured slower (NOTES-matmul.md)
+#endif
+constexpr unsigned PREFETCH_BYTES = QMM_PREFETCH_BYTES;   // L2 prefetch distance of a warp's weight stream
 constexpr int STAGE_LOADS = 8;           // gathers of x per thread in flight
 constexpr int REDUCE_LOADS = 16;         // split partials per lane in flight in the final reduction
 
@@ -117,48 +137,106 @@ EXL_HD unsigned pair_bits(const unsigned (&w)[B], int p)
 template <int B>
 EXL_HD constexpr int n_shifts() { return B == 2 ? 5 : B == 3 ? 3 : B == 4 ? 2 : B == 5 ? 2 : 1; }
 
-// Chunks loaded into registers per batch (the loads mostly hit L2, prefetched): 8 to 16 words per lane.
+// Chunks loaded into registers per batch: 8 to 16 words per lane (twice as many measured no faster, and spill).
 template <int B>
 EXL_HD constexpr int batch() { return B == 2 ? 4 : B == 3 ? 4 : B == 4 ? 3 : 2; }
 
-// A lane's B words of one chunk: planes of 16, 8, then 4 bytes per lane.
-template <int B>
-__device__ __forceinline__ void load_chunk(const unsigned* chunk, int lane, unsigned (&w)[B])
+// ------------------------------------------------------------------------------------------- parameters
+
+// One weight of a launch (LAUNCH PARAMETERS above). Field order: pointers, ints, shorts (no padding inside).
+struct Part {
+    const unsigned* qw;          // [strips][words_per_strip]
+    const int2* chunk_meta;      // [chunks]
+    const void* meta0;           // strip-major group records
+    const void* meta1;
+    const int* perm;             // [K] stored row -> row of x, or null for the identity
+    const half* bias;            // [n] or null
+    int* counters;               // [strips] split-K arrivals, self-resetting
+    int n, np, strips, words_per_strip;
+    int n_groups, n_splits, block0, col_blocks;
+    int ws_offset;               // floats into ws of this part's partials [n_splits][M][np]
+    int run_start[N_WIDTHS + 1];
+    int run_word[N_WIDTHS];      // word offset within a strip of run i's first chunk
+    int split_word[MAX_SPLITS + 1];       // word offset within a strip of each split's first chunk (the last: total)
+    short split_chunk[MAX_SPLITS + 1];
+    short split_group[MAX_SPLITS + 1];    // group of each split's first chunk (the last: n_groups - 1)
+};
+
+struct Params {
+    Part part[MAX_PARTS];
+    int n_parts, M, K;
+    int xs_stride;               // halves per row of the x tile
+    int meta_smem;               // byte offset of the chunk_meta copy in dynamic shared memory
+    int corr_smem;               // byte offset of the folded chunks' corrections (float2 [chunk][M])
+};
+
+EXL_HD constexpr int width_of(int i) { return i == 0 ? 8 : i == 1 ? 6 : i == 2 ? 5 : i == 3 ? 4 : i == 4 ? 3 : 2; }
+
+// The part of block b (parts are laid out in block order).
+__device__ __forceinline__ int part_of(const Params& p, int b)
 {
-    constexpr int P16 = B / 4, P8 = B % 4 / 2, P4 = B % 2;
+    int pi = 0;
 #pragma unroll
-    for (int i = 0; i < P16; ++i) {
-        const uint4 v = load_stream(reinterpret_cast<const uint4*>(chunk) + 32 * i + lane);
-        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
-    }
-    if constexpr (P8 == 1) {
-        const uint2 v = load_stream(reinterpret_cast<const uint2*>(chunk + 128 * P16) + lane);
-        w[4 * P16] = v.x; w[4 * P16 + 1] = v.y;
-    }
-    if constexpr (P4 == 1) w[B - 1] = load_stream(chunk + 128 * P16 + 64 * P8 + lane);
+    for (int i = 1; i < MAX_PARTS; ++i)
+        if (i < p.n_parts && b >= p.part[i].block0) pi = i;
+    return pi;
 }
+
+// Prefetches the 128-byte lines holding bytes [lo, hi) of p into L2, one line per lane and step.
+__device__ __forceinline__ void prefetch_span(const void* p, unsigned lo, unsigned hi, int lane)
+{
+    const size_t base = reinterpret_cast<size_t>(p), end = base + hi;
+    for (size_t a = ((base + lo) & ~size_t(127)) + 128 * lane; a < end; a += 128 * 32)
+        prefetch_l2(reinterpret_cast<const void*>(a));
+}
+
+// ------------------------------------------------------------------------------------------- weight stream
+
+// A warp's weight span (its strip's words of chunks [c0, c1): one contiguous range), read chunk by chunk in order
+// straight from global memory, with L2 prefetches PREFETCH_BYTES ahead that hold no registers. (A bulk-copy ring in
+// shared memory kept more bytes in flight but cost more instructions and ran slower: NOTES-matmul.md.)
+struct Stream {
+    const unsigned char* src;    // the span in global memory
+    unsigned span;               // its bytes (a multiple of 128)
+
+    // The first PREFETCH_BYTES: a kernel's first work (only parameters are needed).
+    __device__ void start(const void* p, unsigned bytes, int lane)
+    {
+        src = static_cast<const unsigned char*>(p);
+        span = bytes;
+        prefetch_span(src, 0, min(span, PREFETCH_BYTES), lane);
+    }
+
+    // Before reading bytes [off, end) (at most 32 lines): prefetch the same bytes PREFETCH_BYTES ahead.
+    __device__ void ahead(unsigned off, unsigned end, int lane) const
+    {
+        const unsigned a = off + PREFETCH_BYTES + 128 * lane;
+        if (a < min(span, end + PREFETCH_BYTES)) prefetch_l2(src + a);
+    }
+
+    // Lane's B words of the chunk at span offset off: planes of 16, 8, then 4 bytes per lane.
+    template <int B>
+    __device__ void load(unsigned off, int lane, unsigned (&w)[B]) const
+    {
+        constexpr int P16 = B / 4, P8 = B % 4 / 2, P4 = B % 2;
+        const unsigned char* chunk = src + off;
+#pragma unroll
+        for (int i = 0; i < P16; ++i) {
+            const uint4 v = load_stream(reinterpret_cast<const uint4*>(chunk + 512 * i) + lane);
+            w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+        }
+        if constexpr (P8 == 1) {
+            const uint2 v = load_stream(reinterpret_cast<const uint2*>(chunk + 512 * P16) + lane);
+            w[4 * P16] = v.x; w[4 * P16 + 1] = v.y;
+        }
+        if constexpr (P4 == 1)
+            w[B - 1] = load_stream(reinterpret_cast<const unsigned*>(chunk + 512 * P16 + 256 * P8) + lane);
+    }
+};
 
 // ------------------------------------------------------------------------------------------- formats
 
-struct Packed {
-    const unsigned* qw;
-    const int* bits_prefix;
-    const int* run_bounds;
-    const int2* chunk_meta;
-    const void* meta0;
-    const void* meta1;
-    int strips;
-    int words_per_strip;
-};
-
-// p advanced by a byte offset (32-bit add, no sign extension).
-template <class T>
-__device__ __forceinline__ const T* at(const T* p, int bytes)
-{
-    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (unsigned)bytes);
-}
-
-// Lane g's scale codes from its word of the (group, strip) record (16 bits at half g%2): fp16 bit patterns
+// Lane g's scale codes from its word of the (strip, group) record (16 bits at half g%2): fp16 bit patterns
 // (1024 + c) of columns (col(0), col(1)) in pairs[0] and (col(2), col(3)) in pairs[1].
 EXL_HD void scale_code_pairs(unsigned word, int g, unsigned (&pairs)[2])
 {
@@ -172,6 +250,7 @@ EXL_HD unsigned zero_pair(unsigned zeros, int j) { return byte_perm(zeros, 0x646
 
 // EXL2: zero point 2^(B-1); per-column scale fp16((c+1)^2 * m) from a 4-bit code c and the group's base m.
 struct Exl2 {
+    static constexpr int REC0 = 16, REC1 = 0;    // bytes of a (strip, group) record in meta0, meta1
     struct Cursor { const unsigned* codes; };    // the lane's word of group 0's record
     struct Raw { unsigned codes, base; };
     struct State { half2 scale[2]; };            // (col(0), col(1)), (col(2), col(3))
@@ -179,14 +258,14 @@ struct Exl2 {
     template <int B>
     EXL_HD static constexpr bool has_width() { return true; }
 
-    __device__ static Cursor cursor(const Packed& pk, int strip, int g)
+    __device__ static Cursor cursor(const Part& pt, int strip, int g)
     {
-        return {static_cast<const unsigned*>(pk.meta0) + strip * 4 + (g >> 1)};
+        return {static_cast<const unsigned*>(pt.meta0) + (size_t)strip * pt.n_groups * 4 + (g >> 1)};
     }
 
     __device__ static Raw load(const Cursor& cur, int2 meta)
     {
-        return {__ldg(at(cur.codes, meta.x)), (unsigned)meta.y};
+        return {__ldg(cur.codes + 4 * meta.x), (unsigned)meta.y};
     }
 
     // fp16((c+1)^2 * m) for a pair of codes: (1024 + c) - 1023 and its square are exact, the product with m is
@@ -211,10 +290,14 @@ struct Exl2 {
     {
         return as_half2(dup16(half_bits_of_int(-(1024 >> i) - (1 << (B - 1)))));
     }
+
+    template <int B>
+    __device__ static float zero(const Raw&, int) { return float(1 << (B - 1)); }
 };
 
 // GPTQ: zero point and fp16 scale per (group, column), read as given (v1/v2 already resolved by prepare()).
 struct Gptq {
+    static constexpr int REC0 = 64, REC1 = 32;
     struct Cursor { const uint2* scales; const unsigned* zeros; };     // the lane's entries of group 0
     struct Raw { uint2 scales; unsigned zeros; };
     struct State { half2 scale[2]; half2 bias[4][5]; };    // bias[j][i / B] = -(1024 * 2^-i + z_j)
@@ -222,15 +305,15 @@ struct Gptq {
     template <int B>
     EXL_HD static constexpr bool has_width() { return B == 2 || B == 3 || B == 4 || B == 8; }
 
-    __device__ static Cursor cursor(const Packed& pk, int strip, int g)
+    __device__ static Cursor cursor(const Part& pt, int strip, int g)
     {
-        return {static_cast<const uint2*>(pk.meta0) + strip * 8 + g,
-                static_cast<const unsigned*>(pk.meta1) + strip * 8 + g};
+        const size_t rec = (size_t)strip * pt.n_groups * 8 + g;
+        return {static_cast<const uint2*>(pt.meta0) + rec, static_cast<const unsigned*>(pt.meta1) + rec};
     }
 
     __device__ static Raw load(const Cursor& cur, int2 meta)
     {
-        return {__ldg(at(cur.scales, meta.x)), __ldg(at(cur.zeros, meta.y))};
+        return {__ldg(cur.scales + 8 * meta.x), __ldg(cur.zeros + 8 * meta.x)};
     }
 
     template <int B>
@@ -249,6 +332,9 @@ struct Gptq {
 
     template <int B>
     __device__ static half2 bias(const State& st, int j, int i) { return st.bias[j][i / B]; }
+
+    template <int B>
+    __device__ static float zero(const Raw& r, int j) { return float(r.zeros >> 8 * j & 0xff); }
 };
 
 // The lane's 16 pairs of one chunk as (code - z), exact.
@@ -263,70 +349,111 @@ __device__ __forceinline__ void decode_pairs(const unsigned (&w)[B], const typen
     }
 }
 
+// FOLDED widths: the matmul feeds the MMA the raw halves 1024 + code * 2^i, with 2^-i moved into x (i depends only
+// on a chunk row's position: B=4: i = 4 for rows with (r >> 1) & 1, else 0; B=6, 8: i = 0) and the offset
+// 1024 * 2^-i + z subtracted once per chunk as sum_r (1024 x'_r + z x_r) (stage_corrections): one LOP3 per pair
+// instead of LOP3 + HFMA2.
+template <int B>
+EXL_HD constexpr bool folded() { return B == 4 || B == 6 || B == 8; }
+
+template <int B>
+__device__ __forceinline__ void decode_raw(const unsigned (&w)[B], half2 (&a)[16])
+{
+#pragma unroll
+    for (int p = 0; p < 16; ++p) a[p] = as_half2(pair_bits<B>(w, p));
+}
+
 // ------------------------------------------------------------------------------------------- walking chunks
 
-// U chunks from c on: load all their words and group metadata first, then consume them in order.
+// Starts the DRAM reads of a warp's group records (all of its range) into L2: only parameters are read, so this
+// can be a kernel's first work.
+template <class Fmt>
+__device__ __forceinline__ void prefetch_records(const Part& pt, int strip, int split, int lane)
+{
+    const unsigned g0 = pt.split_group[split], g1 = pt.split_group[split + 1] + 1u;
+    prefetch_span(static_cast<const char*>(pt.meta0) + (size_t)strip * pt.n_groups * Fmt::REC0, g0 * Fmt::REC0,
+                  g1 * Fmt::REC0, lane);
+    if constexpr (Fmt::REC1 > 0)
+        prefetch_span(static_cast<const char*>(pt.meta1) + (size_t)strip * pt.n_groups * Fmt::REC1, g0 * Fmt::REC1,
+                      g1 * Fmt::REC1, lane);
+}
+
+// The weight stream of a warp's chunks of split s of its strip, started.
+__device__ __forceinline__ void start_stream(Stream& st, const Part& pt, int strip, int split, int lane)
+{
+    const int w0 = pt.split_word[split];
+    st.start(pt.qw + (size_t)strip * pt.words_per_strip + w0, 4u * (pt.split_word[split + 1] - w0), lane);
+}
+
+// U chunks from span offset off (chunk c) on: load all their words and group records first, then consume them in
+// order. meta: the chunks' chunk_meta entries.
 template <int U, int B, class Fmt, class Sink>
-__device__ __forceinline__ void walk_batch(const typename Fmt::Cursor& cur, const int2* meta_of, const unsigned* words,
-                                           int c, int lane, Sink& sink)
+__device__ __forceinline__ void walk_batch(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
+                                           unsigned off, int c, int lane, Sink& sink)
 {
     unsigned w[U][B];
-    int2 meta[U];
+    int2 m[U];
     typename Fmt::Raw raw[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        load_chunk<B>(words + u * 32 * B, lane, w[u]);
-        meta[u] = __ldg(meta_of + u);
+        st.template load<B>(off + u * 128 * B, lane, w[u]);
+        m[u] = meta[u];
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, meta[u]);
+    for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
 #pragma unroll
-    for (int u = 0; u < U; ++u) sink.template chunk<B>(w[u], meta[u].x, raw[u], c + u);
+    for (int u = 0; u < U; ++u) sink.template chunk<B>(w[u], m[u].x, raw[u], c + u);
 }
 
-// One width run [c, end) of a strip: batches of batch<B>() chunks, each first prefetching into L2 the batch
-// PREFETCH_WORDS ahead (no registers held, so DRAM sees many requests in flight), then the run's last chunks.
+// One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks, then the run's last ones.
 template <int B, class Fmt, class Sink>
-__device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const int2* meta_of, const unsigned* words,
-                                         const unsigned* range_end, int c, int end, int lane, Sink& sink)
+__device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
+                                         unsigned off, int c, int end, int lane, Sink& sink)
 {
-    constexpr int U = batch<B>();
-    const unsigned* ahead = words + PREFETCH_WORDS + 32 * lane;         // one 128-byte line per lane
-    for (; c + U <= end; c += U, words += U * 32 * B, ahead += U * 32 * B, meta_of += U) {
-        if (lane < U * B && ahead < range_end) prefetch_l2(ahead);
-        walk_batch<U, B, Fmt>(cur, meta_of, words, c, lane, sink);
+    constexpr int U = batch<B>(), BYTES = 128 * B;
+    for (; c + U <= end; c += U, off += U * BYTES, meta += U) {
+        st.ahead(off, off + U * BYTES, lane);
+        walk_batch<U, B, Fmt>(cur, meta, st, off, c, lane, sink);
     }
-    for (; c < end; ++c, words += 32 * B, ++meta_of)                    // already prefetched by the batches
-        walk_batch<1, B, Fmt>(cur, meta_of, words, c, lane, sink);
+    for (; c < end; ++c, off += BYTES, ++meta)                          // already prefetched by the batches
+        walk_batch<1, B, Fmt>(cur, meta, st, off, c, lane, sink);
 }
 
-// The chunks of width B within [c0, c1): run_bounds[I]..run_bounds[I+1], widths in stored order 8, 6, 5, 4, 3, 2.
-template <int B, int I, class Fmt, class Sink>
-__device__ __forceinline__ void walk_width(const Packed& pk, const typename Fmt::Cursor& cur,
-                                           const unsigned* strip_words, const unsigned* range_end, int c0, int c1,
-                                           int lane, Sink& sink)
+// The chunks of width B = width_of(I) within [c0, c1).
+template <int I, class Fmt, class Sink>
+__device__ __forceinline__ void walk_width(const Part& pt, const typename Fmt::Cursor& cur, const int2* meta_s,
+                                           const Stream& st, int c0, int c1, int chunk_word0, int lane, Sink& sink)
 {
+    constexpr int B = width_of(I);
     if constexpr (Fmt::template has_width<B>()) {
-        const int lo = max(c0, __ldg(pk.run_bounds + I)), hi = min(c1, __ldg(pk.run_bounds + I + 1));
+        const int lo = max(c0, pt.run_start[I]), hi = min(c1, pt.run_start[I + 1]);
         if (lo < hi)
-            walk_run<B, Fmt>(cur, pk.chunk_meta + lo, strip_words + 32 * __ldg(pk.bits_prefix + lo), range_end, lo, hi,
-                             lane, sink);
+            walk_run<B, Fmt>(cur, meta_s + (lo - c0), st,
+                             4u * (pt.run_word[I] + 32 * B * (lo - pt.run_start[I]) - chunk_word0), lo, hi, lane,
+                             sink);
     }
 }
 
-// Chunks [c0, c1) of one strip, width by width: straight-line code, so each width's loop keeps its own registers.
+// Chunks of split s = [c0, c1) of one strip (the stream st), width by width: straight-line code, so each width's
+// loop keeps its own registers. meta_s: chunk_meta[c0..c1).
 template <class Fmt, class Sink>
-__device__ __forceinline__ void walk(const Packed& pk, int strip, int c0, int c1, int lane, Sink& sink)
+__device__ __forceinline__ void walk(const Part& pt, int strip, int split, const int2* meta_s, const Stream& st,
+                                     int lane, Sink& sink)
 {
-    const unsigned* strip_words = pk.qw + (size_t)strip * pk.words_per_strip;
-    const unsigned* range_end = strip_words + 32 * __ldg(pk.bits_prefix + c1);
-    const typename Fmt::Cursor cur = Fmt::cursor(pk, strip, lane / 4);
-    walk_width<8, 0, Fmt>(pk, cur, strip_words, range_end, c0, c1, lane, sink);
-    walk_width<6, 1, Fmt>(pk, cur, strip_words, range_end, c0, c1, lane, sink);
-    walk_width<5, 2, Fmt>(pk, cur, strip_words, range_end, c0, c1, lane, sink);
-    walk_width<4, 3, Fmt>(pk, cur, strip_words, range_end, c0, c1, lane, sink);
-    walk_width<3, 4, Fmt>(pk, cur, strip_words, range_end, c0, c1, lane, sink);
-    walk_width<2, 5, Fmt>(pk, cur, strip_words, range_end, c0, c1, lane, sink);
+    const typename Fmt::Cursor cur = Fmt::cursor(pt, strip, lane / 4);
+    const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1], w0 = pt.split_word[split];
+    walk_width<0, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<1, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<2, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<3, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<4, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<5, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+}
+
+// chunk_meta[c0..c1) into shared memory (every thread of the block takes part).
+__device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta, int c0, int c1)
+{
+    for (int c = c0 + (int)threadIdx.x; c < c1; c += THREADS) meta_s[c - c0] = __ldg(chunk_meta + c);
 }
 
 // ------------------------------------------------------------------------------------------- matmul
@@ -339,9 +466,13 @@ struct MatmulSink {
     // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
     const half* xc;
     int tile1;
+    const float2* corr;      // the split's corrections [chunk - c0][M] (FOLDED widths)
+    int c0, M;
     int group = -1;
     typename Fmt::State st;
     float sf[4] = {};        // scales of the current group's columns col(0..3), fp32
+    float zf[4] = {};        // zero points of those columns (FOLDED widths)
+    float s1[N8][2] = {}, s0[N8][2] = {};     // the group's sum of corrections of x rows 8n + 2q + e
     float part[2][N8][4] = {};
     float acc[2][N8][4] = {};
 
@@ -354,23 +485,45 @@ struct MatmulSink {
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
                     if (!M1 || i % 2 == 0) {
-                        acc[t][n][i] = fmaf(part[t][n][i], sf[2 * t + i / 2], acc[t][n][i]);
+                        const int j = 2 * t + i / 2;
+                        const float offset = fmaf(zf[j], s0[n][i % 2], s1[n][i % 2]);
+                        acc[t][n][i] = fmaf(part[t][n][i] - offset, sf[j], acc[t][n][i]);
                         part[t][n][i] = 0.f;
                     }
+#pragma unroll
+        for (int n = 0; n < N8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s1[n][e] = s0[n][e] = 0.f;
     }
 
     template <int B>
-    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int)
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c)
     {
         if (group_key != group) {
             flush();
             Fmt::template enter<B>(raw, g(), st);
             sf[0] = __low2float(st.scale[0]); sf[1] = __high2float(st.scale[0]);
             sf[2] = __low2float(st.scale[1]); sf[3] = __high2float(st.scale[1]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) zf[j] = Fmt::template zero<B>(raw, j);
             group = group_key;
         }
         half2 a[16];
-        decode_pairs<B, Fmt>(w, st, a);
+        if constexpr (folded<B>()) {
+            decode_raw<B>(w, a);
+            const float2* cc = corr + (c - c0) * M;
+            const int q = threadIdx.x % 4;
+#pragma unroll
+            for (int n = 0; n < N8; ++n)
+#pragma unroll
+                for (int e = 0; e < (M1 ? 1 : 2); ++e) {
+                    const float2 v = cc[min(8 * n + 2 * q + e, M - 1)];
+                    s1[n][e] += v.x;
+                    s0[n][e] += v.y;
+                }
+        } else {
+            decode_pairs<B, Fmt>(w, st, a);
+        }
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
             unsigned b[N8][2];
@@ -393,59 +546,117 @@ struct MatmulSink {
     __device__ static int g() { return threadIdx.x % 32 / 4; }
 };
 
+// Width of chunk c (from the part's runs).
+__device__ __forceinline__ int width_at(const Part& pt, int c)
+{
+    int b = 2;
+#pragma unroll
+    for (int i = N_WIDTHS - 1; i >= 0; --i)
+        if (c < pt.run_start[i + 1]) b = width_of(i);
+    return b;
+}
+
+// 2^-i of row r of a chunk of width b (FOLDED widths; 1 otherwise).
+__device__ __forceinline__ float row_scale(int b, int r) { return b == 4 && (r >> 1 & 1) ? 0.0625f : 1.f; }
+
 // x rows [r0, r0 + rows) of stored order into shared memory: xs[m][r] = x[m][perm[r0 + r]]. Each thread has
 // STAGE_LOADS independent gathers in flight (they hit L2: x and perm are shared by every block).
-__device__ __forceinline__ void stage_x(half* xs, const half* x, const int* perm, int M, int K, int r0, int rows,
+__device__ __forceinline__ void stage_x(half* xs, const half* x, const Part& pt, int M, int K, int c0, int c1,
                                         int xs_stride)
 {
+    const int* perm = pt.perm;
+    const int r0 = 32 * c0, rows = 32 * (c1 - c0);
     for (int base = threadIdx.x; base < rows; base += THREADS * STAGE_LOADS) {
         int src[STAGE_LOADS];
+        float scale[STAGE_LOADS];                              // x'_r = x_r * 2^-i (exact but for subnormals)
 #pragma unroll
         for (int u = 0; u < STAGE_LOADS; ++u) {
             const int r = min(base + u * THREADS, rows - 1);   // past the end: a harmless repeat of the last row
             src[u] = perm ? __ldg(perm + r0 + r) : r0 + r;
+            scale[u] = row_scale(width_at(pt, c0 + r / 32), r % 32);
         }
         for (int m = 0; m < M; ++m) {
             half v[STAGE_LOADS];
 #pragma unroll
             for (int u = 0; u < STAGE_LOADS; ++u) v[u] = __ldg(x + (size_t)m * K + src[u]);
 #pragma unroll
-            for (int u = 0; u < STAGE_LOADS; ++u)
-                if (base + u * THREADS < rows) xs[m * xs_stride + base + u * THREADS] = v[u];
+            for (int u = 0; u < STAGE_LOADS; ++u) {
+                const int r = base + u * THREADS;
+                if (r < rows) xs[m * xs_stride + r] = __float2half_rn(__half2float(v[u]) * scale[u]);
+            }
         }
+    }
+}
+
+// Per chunk of the split and x row m: (sum_r 1024 x'_r, sum_r x_r) over its 32 rows for FOLDED widths ((0, 0)
+// otherwise), x'_r as staged and x_r = x'_r * 2^i (what the MMA's products amount to). A warp takes a chunk at a
+// time, P lanes per x row, each lane 32 / P rows of it.
+__device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, const Part& pt, int M, int c0, int c1,
+                                                  int xs_stride)
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int P = M <= 1 ? 32 : M <= 2 ? 16 : M <= 4 ? 8 : M <= 8 ? 4 : 2, per = 32 / P;
+    const int m = lane / P, r0 = lane % P * per;
+    for (int c = warp; c < c1 - c0; c += WARPS) {
+        const int b = width_at(pt, c0 + c);
+        float lo = 0.f, hi = 0.f;                   // rows with (r >> 1) & 1 clear / set
+        if (m < M)
+            for (int r = r0; r < r0 + per; ++r) {
+                const float v = __half2float(xs[m * xs_stride + 32 * c + r]);
+                if (r >> 1 & 1) hi += v; else lo += v;
+            }
+        for (int span = P / 2; span >= 1; span /= 2) {
+            lo += __shfl_xor_sync(FULL_MASK, lo, span);
+            hi += __shfl_xor_sync(FULL_MASK, hi, span);
+        }
+        if (m < M && lane % P == 0)
+            corr[c * M + m] = (b == 4 || b == 6 || b == 8)
+                                  ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2)) : make_float2(0.f, 0.f);
     }
 }
 
 __device__ __forceinline__ float bias_at(const half* bias, int col) { return bias ? __half2float(bias[col]) : 0.f; }
 
 template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul(const half* x, half* y, const half* bias, int M, int K, int N, int Np,
-                                       const Packed& pk, const int* perm, const int* split_starts, int n_splits,
-                                       int xs_stride, float* ws, int* counters)
+__device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0, half* y1, half* y2, float* ws)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     half* xs = reinterpret_cast<half*>(smem);
+    int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const int split = blockIdx.y, strip = blockIdx.x * WARPS + warp;
-    const int c0 = __ldg(split_starts + split), c1 = __ldg(split_starts + split + 1);
+    const int pi = part_of(p, blockIdx.x);
+    const Part& pt = p.part[pi];
+    const int local = blockIdx.x - pt.block0;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
+    const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1];
+    const int M = p.M;
 
-    if (strip < pk.strips) {                     // the first DRAM reads overlap the gather of x
-        const int first = __ldg(pk.bits_prefix + c0), words = 32 * (__ldg(pk.bits_prefix + c1) - first);
-        if (32 * lane < words) prefetch_l2(pk.qw + (size_t)strip * pk.words_per_strip + 32 * first + 32 * lane);
-        static_assert(PREFETCH_WORDS == 32 * 32, "the 32 lanes prefetch the first PREFETCH_WORDS");
+    Stream st;
+    if (strip < pt.strips) {                 // DRAM reads first; they overlap the staging below
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
     }
-    stage_x(xs, x, perm, M, K, 32 * c0, 32 * (c1 - c0), xs_stride);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);
+    stage_x(xs, x, pt, M, p.K, c0, c1, p.xs_stride);
     __syncthreads();
-    if (strip >= pk.strips) return;
+    float2* corr = reinterpret_cast<float2*>(smem + p.corr_smem);
+    stage_corrections(corr, xs, pt, M, c0, c1, p.xs_stride);
+    __syncthreads();
+    if (strip >= pt.strips) return;
 
     MatmulSink<Fmt, N8, M1> sink;
-    sink.xc = xs + min(g, M - 1) * xs_stride + 4 * q;
-    sink.tile1 = (min(8 + g, M - 1) - min(g, M - 1)) * xs_stride;
-    walk<Fmt>(pk, strip, c0, c1, lane, sink);
+    sink.xc = xs + min(g, M - 1) * p.xs_stride + 4 * q;
+    sink.tile1 = (min(8 + g, M - 1) - min(g, M - 1)) * p.xs_stride;
+    sink.corr = corr;
+    sink.c0 = c0;
+    sink.M = M;
+    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
 
+    half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
+    const int N = pt.n, Np = pt.np;
     // acc[t][n][i]: column strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2
-    if (n_splits == 1) {
+    if (pt.n_splits == 1) {
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -454,11 +665,11 @@ __device__ __forceinline__ void matmul(const half* x, half* y, const half* bias,
                 for (int i = 0; i < 4; ++i) {
                     const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
                     if ((!M1 || i % 2 == 0) && m < M && col < N)
-                        y[(size_t)m * N + col] = __float2half_rn(sink.acc[t][n][i] + bias_at(bias, col));
+                        y[(size_t)m * N + col] = __float2half_rn(sink.acc[t][n][i] + bias_at(pt.bias, col));
                 }
         return;
     }
-    float* part = ws + (size_t)split * M * Np;
+    float* part = ws + pt.ws_offset + (size_t)split * M * Np;
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -471,24 +682,25 @@ __device__ __forceinline__ void matmul(const half* x, half* y, const half* bias,
     __threadfence();                             // partials visible device-wide before this warp is counted
     __syncwarp();
     int done = 0;
-    if (lane == 0) done = atomicAdd(counters + strip, 1);
+    if (lane == 0) done = atomicAdd(pt.counters + strip, 1);
     done = __shfl_sync(FULL_MASK, done, 0);
-    if (done != n_splits - 1) return;
+    if (done != pt.n_splits - 1) return;
     __threadfence();                             // the last warp of the strip: every other split's partial is in
-    const int col = strip * 32 + lane;
+    const float* parts = ws + pt.ws_offset;
+    const int col = strip * 32 + lane, n_splits = pt.n_splits;
     for (int m = 0; m < M; ++m) {
         float sum = 0.f;
         for (int s0 = 0; s0 < n_splits; s0 += REDUCE_LOADS) {    // loads in flight together, added in split order
             float v[REDUCE_LOADS];
 #pragma unroll
             for (int u = 0; u < REDUCE_LOADS; ++u)
-                v[u] = s0 + u < n_splits ? __ldcg(ws + ((size_t)(s0 + u) * M + m) * Np + col) : 0.f;
+                v[u] = s0 + u < n_splits ? __ldcg(parts + ((size_t)(s0 + u) * M + m) * Np + col) : 0.f;
 #pragma unroll
             for (int u = 0; u < REDUCE_LOADS; ++u) sum += v[u];
         }
-        if (col < N) y[(size_t)m * N + col] = __float2half_rn(sum + bias_at(bias, col));
+        if (col < N) y[(size_t)m * N + col] = __float2half_rn(sum + bias_at(pt.bias, col));
     }
-    if (lane == 0) counters[strip] = 0;
+    if (lane == 0) pt.counters[strip] = 0;
 }
 
 // ------------------------------------------------------------------------------------------- dequant
@@ -535,35 +747,34 @@ struct DequantSink {
 };
 
 template <class Fmt>
-__device__ __forceinline__ void dequant(const Packed& pk, const int* perm, const int* split_starts, int Np,
-                                        half* w_out)
+__device__ __forceinline__ void dequant(const Params& p, half* w_out)
 {
     __shared__ __align__(16) half tiles[WARPS][32 * TILE_STRIDE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int strip = blockIdx.x * WARPS + warp;
-    if (strip >= pk.strips) return;
-    const int c0 = __ldg(split_starts + blockIdx.y), c1 = __ldg(split_starts + blockIdx.y + 1);
+    const Part& pt = p.part[0];
+    const int split = blockIdx.x / pt.col_blocks, strip = blockIdx.x % pt.col_blocks * WARPS + warp;
+    if (strip >= pt.strips) return;
+    Stream st;
+    start_stream(st, pt, strip, split, lane);
+    prefetch_records<Fmt>(pt, strip, split, lane);
     DequantSink<Fmt> sink;
-    sink.tile = tiles[warp]; sink.w_out = w_out; sink.perm = perm; sink.Np = Np; sink.strip = strip;
+    sink.tile = tiles[warp]; sink.w_out = w_out; sink.perm = pt.perm; sink.Np = pt.np; sink.strip = strip;
     sink.lane = lane; sink.g = lane / 4; sink.q = lane % 4;
-    walk<Fmt>(pk, strip, c0, c1, lane, sink);
+    walk<Fmt>(pt, strip, split, pt.chunk_meta + pt.split_chunk[split], st, lane, sink);   // chunk_meta via L1
 }
 
 }  // namespace qmm
 
 // ------------------------------------------------------------------------------------------- entry points
 
-// Blocks per SM the register budget is fitted to: M1 fits 3 (80 registers) without spilling, M8/M16 need 2.
+// Blocks per SM the register budget is fitted to: M1 fits 3 (80 registers) without spilling, M8/M16 need 2. (M1 at
+// 4 blocks, 64 registers, measured no faster: NOTES-matmul.md.)
+// ys: the parts' outputs [M, part.n] fp16; ws: split partials (fp32, see Part.ws_offset), unused without splits.
 #define QMM_MATMUL(NAME, FMT, N8, M1, BLOCKS_PER_SM)                                                                   \
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, BLOCKS_PER_SM)                                          \
-    NAME(const half* x, half* y, const half* bias, int M, int K, int N, int Np, const unsigned* qw,                    \
-         const int* bits_prefix, const int* run_bounds, const int2* chunk_meta, const void* meta0,                     \
-         const void* meta1, int words_per_strip, const int* perm, const int* split_starts, int n_splits,               \
-         int xs_stride, float* ws, int* counters)                                                                      \
+    NAME(const __grid_constant__ qmm::Params p, const half* x, half* y0, half* y1, half* y2, float* ws)              \
     {                                                                                                                  \
-        const qmm::Packed pk{qw, bits_prefix, run_bounds, chunk_meta, meta0, meta1, Np / 32, words_per_strip};         \
-        qmm::matmul<FMT, N8, M1>(x, y, bias, M, K, N, Np, pk, perm, split_starts, n_splits, xs_stride, ws,             \
-                                 counters);                                                                            \
+        qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws);                                                                \
     }
 
 QMM_MATMUL(exl2_matmul_m1, qmm::Exl2, 1, true, 3)
@@ -573,14 +784,12 @@ QMM_MATMUL(gptq_matmul_m1, qmm::Gptq, 1, true, 3)
 QMM_MATMUL(gptq_matmul_m8, qmm::Gptq, 1, false, 2)
 QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 2)
 
+// w_out: W^T [K, Np] fp16 in original row order. 3 blocks per SM (quant_matmul.DEQUANT_RESIDENT).
 #define QMM_DEQUANT(NAME, FMT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(qmm::THREADS)                                                         \
-    NAME(const unsigned* qw, const int* bits_prefix, const int* run_bounds, const int2* chunk_meta,                    \
-         const void* meta0, const void* meta1, int words_per_strip, const int* perm, const int* split_starts,          \
-         int Np, half* w_out)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 3)                                                      \
+    NAME(const __grid_constant__ qmm::Params p, half* w_out)                                                          \
     {                                                                                                                  \
-        const qmm::Packed pk{qw, bits_prefix, run_bounds, chunk_meta, meta0, meta1, Np / 32, words_per_strip};         \
-        qmm::dequant<FMT>(pk, perm, split_starts, Np, w_out);                                                          \
+        qmm::dequant<FMT>(p, w_out);                                                                                   \
     }
 
 QMM_DEQUANT(exl2_dequant, qmm::Exl2)

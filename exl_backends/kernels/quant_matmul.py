@@ -2,9 +2,10 @@
 
 `prepare(weight, bias)` runs once per layer: it repacks the packed weight into the kernels' lane layout (described at
 the top of quant_matmul.cu and built here by plain torch functions, which run and are tested on CPU too), plans how
-each launch cuts K, and returns the forward. Per call the forward only allocates its output (and, for split K, an
-fp32 partial-sum buffer) through torch's caching allocator and launches: no host sync, nothing compiled or queried,
-so a warmed-up forward can be captured in a CUDA graph.
+each launch cuts K, and returns the forward. `fuse(kernels)` joins forwards that share x (q/k/v, gate/up) into one
+that runs them in one launch per pass. Per call the forward only allocates its outputs (and, for split K with more
+than one row of x, an fp32 partial-sum buffer) through torch's caching allocator and launches: no host sync,
+nothing compiled or queried, so a warmed-up forward can be captured in a CUDA graph.
 
 Up to LARGE_M rows of x, the small-M kernel reads each packed word once per 16 rows of x; from LARGE_M rows on,
 the weight is dequantized to an fp16 scratch (bit-exact with the reference) and multiplied by cuBLAS."""
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,25 +24,35 @@ from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
-from .loader import launch
+from .loader import cupy, launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
 STRIP = 32                      # columns per strip (one warp)
 WARPS = 8                       # strips per block (quant_matmul.cu WARPS)
 THREADS = WARPS * 32
-WIDTHS = (8, 6, 5, 4, 3, 2)     # the stored order of widths; run_bounds[i]..run_bounds[i+1] have width WIDTHS[i]
+WIDTHS = (8, 6, 5, 4, 3, 2)     # the stored order of widths (quant_matmul.cu width_of)
+MAX_PARTS = 3                   # weights per launch (quant_matmul.cu MAX_PARTS)
+MAX_SPLITS = 64                 # K splits of one part (quant_matmul.cu MAX_SPLITS)
 
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
 # From this many rows of x on, dequantize + cuBLAS. A small-M pass reads the packed weight once per 16 rows
 # (~b/8 bytes per weight, 0.5 at 4 bpw); the dequant path reads it once, writes and re-reads 2 bytes per weight
 # (~4.5 bytes at 4 bpw) and then runs at cuBLAS speed. The byte counts cross near 8 passes; per-pass overheads
-# (gathering x, MMA issue) pull that down, so the switch sits at 4 passes. Measured by benchmarks/bench_matmul.py.
-LARGE_M = 64
+# (gathering x, MMA issue) pull that down: on the H200 (bench_matmul.py, 4096 x 14336 at 4.0 bpw) a 16-row pass
+# takes 41 us and dequant + cuBLAS 82 us for any M up to 64, so they tie at 2 passes.
+LARGE_M = 32
 RESIDENT_BLOCKS = {1: 3, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
+DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
 MAX_SPLIT_ROWS = 64             # splits * rows of x: bounds the partial sums the last warp of a strip adds up
-X_SMEM_BYTES = 48 * 1024        # the gathered x tile of one block; more would need an opt-in per kernel
+X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more would need an opt-in per kernel
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
+# The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): DRAM streams
+# BANDWIDTH bytes/s; one warp alone streams at most WARP_RATE (its prefetch distance over the memory latency); each
+# wave of blocks costs WAVE_SECONDS on top (ramp-up, x gather, split-K tail).
+BANDWIDTH = 4.0e12
+WARP_RATE = 3.0e9
+WAVE_SECONDS = 3.0e-6
 
 
 class Format(Enum):
@@ -53,6 +65,19 @@ MATMUL_KERNELS = {   # (format, rows-of-x class) -> entry point of quant_matmul.
     (Format.GPTQ, 1): "gptq_matmul_m1", (Format.GPTQ, 8): "gptq_matmul_m8", (Format.GPTQ, 16): "gptq_matmul_m16",
 }
 DEQUANT_KERNELS = {Format.EXL2: "exl2_dequant", Format.GPTQ: "gptq_dequant"}
+
+# quant_matmul.cu's Part and Params (launch parameters, passed by value); a host test checks the offsets.
+PART_DTYPE = np.dtype([
+    ("qw", np.uint64), ("chunk_meta", np.uint64), ("meta0", np.uint64), ("meta1", np.uint64), ("perm", np.uint64),
+    ("bias", np.uint64), ("counters", np.uint64),
+    ("n", np.int32), ("np", np.int32), ("strips", np.int32), ("words_per_strip", np.int32),
+    ("n_groups", np.int32), ("n_splits", np.int32), ("block0", np.int32), ("col_blocks", np.int32),
+    ("ws_offset", np.int32), ("run_start", np.int32, (len(WIDTHS) + 1,)), ("run_word", np.int32, (len(WIDTHS),)),
+    ("split_word", np.int32, (MAX_SPLITS + 1,)),
+    ("split_chunk", np.int16, (MAX_SPLITS + 1,)), ("split_group", np.int16, (MAX_SPLITS + 1,))], align=True)
+PARAMS_DTYPE = np.dtype([("part", PART_DTYPE, (MAX_PARTS,)), ("n_parts", np.int32), ("M", np.int32),
+                         ("K", np.int32), ("xs_stride", np.int32), ("meta_smem", np.int32),
+                         ("corr_smem", np.int32)], align=True)
 
 
 # ----------------------------------------------------------------------------------------------- lane layout
@@ -128,12 +153,11 @@ class LaneLayout:
     n: int
     np_: int
     words: Tensor            # int32 [strips * words_per_strip]
-    chunk_bits: list[int]    # width of each chunk (host copy, for planning splits)
-    bits_prefix: Tensor      # int32 [chunks + 1]
-    run_bounds: Tensor       # int32 [7]: chunks of width WIDTHS[i] are run_bounds[i]..run_bounds[i+1]
-    chunk_meta: Tensor       # int32 [chunks, 2]: byte offsets of the chunk's group in meta0, meta1 (EXL2: base)
-    meta0: Tensor            # EXL2: int32 [G, strips, 4] scale codes; GPTQ: fp16 [G, strips, 8, 4] scales
-    meta1: Tensor | None     # GPTQ: uint8 [G, strips, 8, 4] zero points; EXL2: None
+    chunk_bits: list[int]    # width of each chunk (host copy, for planning)
+    chunk_group: list[int]   # group of each chunk (host copy)
+    chunk_meta: Tensor       # int32 [chunks, 2]: (group, EXL2 scale base | 0)
+    meta0: Tensor            # EXL2: int32 [strips, G, 4] scale codes; GPTQ: fp16 [strips, G, 8, 4] scales
+    meta1: Tensor | None     # GPTQ: uint8 [strips, G, 8, 4] zero points; EXL2: None
     perm: Tensor | None      # int32 [K]: stored row k' is original row perm[k']; None for the identity
 
     @property
@@ -141,25 +165,24 @@ class LaneLayout:
         return self.np_ // STRIP
 
     @property
+    def n_groups(self) -> int:
+        return self.meta0.shape[1]
+
+    @property
     def words_per_strip(self) -> int:
         return 32 * sum(self.chunk_bits)
 
+    @property
+    def run_start(self) -> list[int]:
+        """Chunks of width WIDTHS[i] are run_start[i]..run_start[i+1]."""
+        bounds = [0]
+        for width in WIDTHS:
+            bounds.append(bounds[-1] + self.chunk_bits.count(width))
+        return bounds
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.bits_prefix, self.run_bounds,
-                                                           self.chunk_meta, self.meta0, self.meta1, self.perm)
-                   if t is not None)
-
-
-def _chunk_tables(chunk_bits: list[int], device) -> tuple[Tensor, Tensor]:
-    """bits_prefix [C+1] and run_bounds [7] of chunk widths in non-increasing order."""
-    prefix = [0]
-    for b in chunk_bits:
-        prefix.append(prefix[-1] + b)
-    bounds = [0]
-    for width in WIDTHS:
-        bounds.append(bounds[-1] + chunk_bits.count(width))
-    return (torch.tensor(prefix, dtype=torch.int32, device=device),
-            torch.tensor(bounds, dtype=torch.int32, device=device))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.chunk_meta, self.meta0, self.meta1,
+                                                           self.perm) if t is not None)
 
 
 def _slab_rows(np_: int) -> int:
@@ -169,6 +192,11 @@ def _slab_rows(np_: int) -> int:
 def _identity_or(perm: Tensor) -> Tensor | None:
     perm = perm.to(torch.int32)
     return None if torch.equal(perm.cpu(), torch.arange(perm.numel(), dtype=torch.int32)) else perm.contiguous()
+
+
+def _strip_major(meta: Tensor) -> Tensor:
+    """[G, strips, ...] -> [strips, G, ...]: a strip's group records contiguous."""
+    return meta.transpose(0, 1).contiguous()
 
 
 def exl2_layout(w: Exl2Weight) -> LaneLayout:
@@ -198,11 +226,11 @@ def exl2_layout(w: Exl2Weight) -> LaneLayout:
             parts.append(lane_words(reference.unpack_bits(words, width, n_rows), width))
     base = (w.q_scale_max.float() * 2.0**-8).half().view(torch.int16).to(torch.int64) & 0xFFFF   # fp16 bits of m
     group = torch.tensor(chunk_group, dtype=torch.int64, device=device)
-    chunk_meta = torch.stack((group * (np_ // STRIP) * 16, _int32((base | base << 16)[group]).long()), dim=1)
-    prefix, bounds = _chunk_tables(chunk_bits, device)
+    chunk_meta = torch.stack((group, _int32((base | base << 16)[group]).long()), dim=1)
     return LaneLayout(Format.EXL2, k, w.out_features, np_, torch.cat(parts, dim=1).reshape(-1), chunk_bits,
-                      prefix, bounds, chunk_meta.to(torch.int32).contiguous(),
-                      exl2_scale_codes(w.q_scale).to(device), None, _identity_or(torch.argsort(w.q_invperm.long())))
+                      chunk_group, chunk_meta.to(torch.int32).contiguous(),
+                      _strip_major(exl2_scale_codes(w.q_scale).to(device)), None,
+                      _identity_or(torch.argsort(w.q_invperm.long())))
 
 
 def gptq_layout(w: GptqWeight) -> LaneLayout:
@@ -224,14 +252,13 @@ def gptq_layout(w: GptqWeight) -> LaneLayout:
     codes = codes[perm]
     parts = [lane_words(codes[r: r + step], bits) for r in range(0, k, step)]
     group = w.g_idx.long()[perm][::CHUNK]
-    chunk_meta = torch.stack((group * (np_ // STRIP) * 64, group * (np_ // STRIP) * 32), dim=1).to(torch.int32)
+    chunk_meta = torch.stack((group, torch.zeros_like(group)), dim=1).to(torch.int32)
     pad = (0, np_ - n)
     zeros = torch.nn.functional.pad(reference.gptq_zeros(w.qzeros.cpu(), bits, n, w.v2), pad).to(device, torch.uint8)
     scales = torch.nn.functional.pad(w.scales.half(), pad)
-    prefix, bounds = _chunk_tables([bits] * (k // CHUNK), device)
     return LaneLayout(Format.GPTQ, k, n, np_, torch.cat(parts, dim=1).reshape(-1), [bits] * (k // CHUNK),
-                      prefix, bounds, chunk_meta.contiguous(), lane_order(scales).contiguous(),
-                      lane_order(zeros).contiguous(), _identity_or(perm))
+                      group.tolist(), chunk_meta.contiguous(), _strip_major(lane_order(scales)),
+                      _strip_major(lane_order(zeros)), _identity_or(perm))
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -253,97 +280,192 @@ def x_tile(starts: list[int], rows: int) -> tuple[int, int]:
     return stride, rows * stride * 2
 
 
+def _tile_bytes(starts: list[int], rows: int) -> int:
+    """Shared memory of one block: the x tile, then the split's chunk_meta entries (8 bytes each), then its
+    corrections (8 bytes per chunk and row of x)."""
+    return -(-x_tile(starts, rows)[1] // 16) * 16 + 8 * (1 + rows) * max(b - a for a, b in zip(starts, starts[1:]))
+
+
+def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], slots: int) -> float:
+    """The planner's model (BANDWIDTH, WARP_RATE, WAVE_SECONDS above) of a launch's time."""
+    waves = -(-sum(c * s for c, s in zip(col_blocks, splits)) // slots)
+    total = sum(b * c * WARPS for b, c in zip(strip_bytes, col_blocks))
+    warp = max(b / s for b, s in zip(strip_bytes, splits))
+    return waves * WAVE_SECONDS + max(total / BANDWIDTH, waves * warp / WARP_RATE)
+
+
+def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: int) -> list[int]:
+    """Splits of K per part: the fastest plan by _launch_seconds, every part's splits within its limits (at least
+    MIN_CHUNKS_PER_SPLIT chunks, MAX_SPLIT_ROWS, MAX_SPLITS) and its x tile within X_SMEM_BYTES (smem_rows rows
+    of x; 0 for none). Ties go to the plan with fewer waves, then more blocks."""
+    strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
+    col_blocks = [-(-lay.strips // WARPS) for lay in layouts]
+    lo, hi = [], []
+    for lay in layouts:
+        chunks = len(lay.chunk_bits)
+        n = 1
+        while smem_rows and _tile_bytes(split_starts(lay.chunk_bits, n), smem_rows) > X_SMEM_BYTES:
+            n += 1
+        lo.append(n)
+        hi.append(max(n, min(chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLIT_ROWS // rows, MAX_SPLITS)))
+    best = None
+    for b, h in zip(strip_bytes, hi):
+        for s in range(1, h + 1):              # candidate bytes per warp: b / s
+            splits = [min(hq, max(lq, math.ceil(bq * s / b))) for bq, lq, hq in zip(strip_bytes, lo, hi)]
+            blocks = sum(c * n for c, n in zip(col_blocks, splits))
+            key = (round(_launch_seconds(strip_bytes, col_blocks, splits, slots), 8), -(-blocks // slots), -blocks)
+            if best is None or key < best[0]:
+                best = (key, splits)
+    if max(best[1]) > MAX_SPLITS:
+        raise UnsupportedFormatError(f"a layer of K = {layouts[0].k} needs {max(best[1])} splits of K for its x "
+                                     f"tile; the kernels take at most {MAX_SPLITS}")
+    return best[1]
+
+
 @dataclass(frozen=True)
 class Plan:
-    """How one launch of the small-M kernel for a given number of x rows is cut."""
+    """One launch: kernel, grid, shared memory, and its Params (by value) with the ws it needs."""
     kernel: str
-    n_splits: int
-    starts: Tensor           # int32 [n_splits + 1] chunk bounds, on the device
-    xs_stride: int
+    blocks: int
     smem: int
+    params: np.ndarray       # 0-d PARAMS_DTYPE
+    ws_floats: int           # fp32 split partials the launch needs (0: none)
+
+    def arg(self):
+        """The Params as a kernel argument (CuPy passes the struct's bytes by value)."""
+        return cupy().cuda.function.CNumpyArray(self.params)
 
 
-def plan_small(layout: LaneLayout, rows: int, n_sm: int) -> Plan:
-    """Enough splits of K to fill the GPU (RESIDENT_BLOCKS per SM), within the limits above."""
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor],
+              splits: list[int], rows: int) -> Plan:
+    p = np.zeros((), PARAMS_DTYPE)
+    part = p["part"]
+    block0 = ws = 0
+    starts_all = []
+    for i, (lay, bias, cnt, n) in enumerate(zip(layouts, biases, counters, splits)):
+        starts = split_starts(lay.chunk_bits, n)
+        starts_all.append(starts)
+        col_blocks = -(-lay.strips // WARPS)
+        for name, value in (("qw", _ptr(lay.words)), ("chunk_meta", _ptr(lay.chunk_meta)), ("meta0", _ptr(lay.meta0)),
+                            ("meta1", _ptr(lay.meta1)), ("perm", _ptr(lay.perm)), ("bias", _ptr(bias)),
+                            ("counters", _ptr(cnt)), ("n", lay.n), ("np", lay.np_), ("strips", lay.strips),
+                            ("words_per_strip", lay.words_per_strip), ("n_groups", lay.n_groups), ("n_splits", n),
+                            ("block0", block0), ("col_blocks", col_blocks), ("ws_offset", ws)):
+            part[name][i] = value
+        part["run_start"][i] = lay.run_start
+        words = np.cumsum([0] + [32 * b for b in lay.chunk_bits])          # word offset of each chunk in a strip
+        part["run_word"][i] = words[lay.run_start[:-1]]
+        part["split_word"][i, :n + 1] = words[starts]
+        part["split_chunk"][i, :n + 1] = starts
+        part["split_group"][i, :n + 1] = [lay.chunk_group[min(c, len(lay.chunk_group) - 1)] for c in starts]
+        block0 += col_blocks * n
+        ws += n * rows * lay.np_ if n > 1 else 0
+    p["n_parts"], p["M"], p["K"] = len(layouts), rows, layouts[0].k
+    smem = 0
+    if rows:                                  # the part with the longest split sets both sizes (_tile_bytes)
+        p["xs_stride"] = max(x_tile(s, rows)[0] for s in starts_all)
+        p["meta_smem"] = -(-rows * int(p["xs_stride"]) * 2 // 16) * 16
+        chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
+        p["corr_smem"] = int(p["meta_smem"]) + 8 * chunks
+        smem = int(p["corr_smem"]) + 8 * chunks * rows
+    return Plan(kernel, block0, smem, p, ws)
+
+
+def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
+               n_sm: int) -> Plan:
+    """The small-M launch for `rows` rows of x."""
     rows_class = 1 if rows == 1 else 8 if rows <= 8 else 16
-    chunks = len(layout.chunk_bits)
-    col_blocks = -(-layout.strips // WARPS)
-    n = math.ceil(RESIDENT_BLOCKS[rows_class] * n_sm / col_blocks)
-    n = max(1, min(n, chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLIT_ROWS // rows))
-    while x_tile(split_starts(layout.chunk_bits, n), rows)[1] > X_SMEM_BYTES:
-        n += 1
-    starts = split_starts(layout.chunk_bits, n)
-    stride, smem = x_tile(starts, rows)
-    return Plan(MATMUL_KERNELS[layout.fmt, rows_class], n, torch.tensor(starts, dtype=torch.int32,
-                device=layout.words.device), stride, smem)
+    splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[rows_class] * n_sm, rows)
+    return make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class], layouts, biases, counters, splits, rows)
 
 
-def plan_dequant(layout: LaneLayout, n_sm: int) -> Tensor:
-    """Chunk bounds of the dequant kernel's splits: about 4 blocks per SM (it holds no x tile)."""
-    n = max(1, min(math.ceil(4 * n_sm / -(-layout.strips // WARPS)), len(layout.chunk_bits)))
-    return torch.tensor(split_starts(layout.chunk_bits, n), dtype=torch.int32, device=layout.words.device)
+def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
+    splits = choose_splits([layout], 1, DEQUANT_RESIDENT * n_sm, 0)
+    return make_plan(DEQUANT_KERNELS[layout.fmt], [layout], [None], [None], splits, 0)
 
 
 # ----------------------------------------------------------------------------------------------- forward
 
 
 class QuantMatmul:
-    """The forward of one quantized layer on CUDA: y [M, N] fp16 = x [M, K] fp16 @ W^T (+ bias)."""
+    """The forward of one or more quantized weights that share x (same K and format; quant_matmul.cu: LAUNCH
+    PARAMETERS) on CUDA: part i gives y_i [M, N_i] fp16 = x [M, K] fp16 @ W_i^T (+ bias_i)."""
 
-    def __init__(self, layout: LaneLayout, bias: Tensor | None):
-        device = layout.words.device
+    def __init__(self, layouts: list[LaneLayout], biases: list[Tensor | None]):
+        if not 1 <= len(layouts) <= MAX_PARTS or len({(lay.fmt, lay.k) for lay in layouts}) != 1:
+            raise ValueError(f"one launch takes 1 to {MAX_PARTS} weights of one format and K")
+        device = layouts[0].words.device
         n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        self.layout = layout
-        self.bias = None if bias is None else bias[:layout.n].to(device, torch.float16).contiguous()
-        self.plans = {rows: plan_small(layout, rows, n_sm) for rows in range(1, ROWS_PER_PASS + 1)}
-        self.dequant_starts = plan_dequant(layout, n_sm)
-        self.counters = torch.zeros(layout.strips, dtype=torch.int32, device=device)   # self-resetting
-        self.packed = (layout.words, layout.bits_prefix, layout.run_bounds, layout.chunk_meta, layout.meta0,
-                       layout.meta1, layout.words_per_strip, layout.perm)      # the kernels' weight arguments
+        self.layouts = layouts
+        self.biases = [None if b is None else b[:lay.n].to(device, torch.float16).contiguous()
+                       for lay, b in zip(layouts, biases)]
+        self.counters = [torch.zeros(lay.strips, dtype=torch.int32, device=device) for lay in layouts]  # self-resetting
+        self.plans = {rows: plan_small(layouts, self.biases, self.counters, rows, n_sm)
+                      for rows in range(1, ROWS_PER_PASS + 1)}
+        self.args = {rows: plan.arg() for rows, plan in self.plans.items()}
+        self.dequant_plans = [plan_dequant(lay, n_sm) for lay in layouts]
+        self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
 
     def __call__(self, x: Tensor) -> Tensor:
-        lay = self.layout
+        """The forward of a single weight."""
+        (y,) = self.forward(x)
+        return y
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        """One output per weight, [..., N_i] for x [..., K]."""
         if x.dtype != torch.float16:
             raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {x.dtype}; load the model "
                               f"with dtype=torch.float16")
         lead = x.shape[:-1]
-        x = x.reshape(-1, lay.k).contiguous()
-        y = self._dequant_matmul(x) if x.shape[0] >= LARGE_M else self._small(x)
-        return y.reshape(*lead, lay.n)
+        x = x.reshape(-1, self.layouts[0].k).contiguous()
+        ys = self._dequant_matmul(x) if x.shape[0] >= LARGE_M else self._small(x)
+        return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
 
-    def _small(self, x: Tensor) -> Tensor:
-        lay = self.layout
+    def _small(self, x: Tensor) -> list[Tensor]:
         m = x.shape[0]
-        y = torch.empty(m, lay.n, dtype=torch.float16, device=x.device)
+        ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         for m0 in range(0, m, ROWS_PER_PASS):
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
-            ws = (torch.empty(plan.n_splits * rows * lay.np_, dtype=torch.float32, device=x.device)
-                  if plan.n_splits > 1 else None)
-            launch("quant_matmul", plan.kernel, grid=(-(-lay.strips // WARPS), plan.n_splits), block=(THREADS,),
-                   args=(x[m0:], y[m0:], self.bias, rows, lay.k, lay.n, lay.np_, *self.packed, plan.starts,
-                         plan.n_splits, plan.xs_stride, ws, self.counters), shared_mem=plan.smem)
-        return y
+            outs = [y[m0:] for y in ys] + [None] * (MAX_PARTS - len(ys))
+            launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
+                   args=(self.args[rows], x[m0:], *outs, self._ws(plan, rows, x.device)), shared_mem=plan.smem)
+        return ys
 
-    def _dequant_matmul(self, x: Tensor) -> Tensor:
-        w = self._dequant()[:, :self.layout.n]
-        return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
+    def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:
+        if plan.ws_floats == 0:
+            return None
+        if rows > 1:
+            return torch.empty(plan.ws_floats, dtype=torch.float32, device=device)
+        if self.ws1 is None:
+            self.ws1 = torch.empty(plan.ws_floats, dtype=torch.float32, device=device)
+        return self.ws1
 
-    def _dequant(self) -> Tensor:
-        """W^T [K, Np] fp16 in original row order, bit-exact with the reference."""
-        lay = self.layout
+    def _dequant_matmul(self, x: Tensor) -> list[Tensor]:
+        ys = []
+        for i, (lay, bias) in enumerate(zip(self.layouts, self.biases)):
+            w = self._dequant(i)[:, :lay.n]
+            ys.append(torch.mm(x, w) if bias is None else torch.addmm(bias, x, w))
+        return ys
+
+    def _dequant(self, i: int) -> Tensor:
+        """W_i^T [K, Np] fp16 in original row order, bit-exact with the reference."""
+        lay, plan = self.layouts[i], self.dequant_plans[i]
         w = torch.empty(lay.k, lay.np_, dtype=torch.float16, device=lay.words.device)
-        launch("quant_matmul", DEQUANT_KERNELS[lay.fmt], grid=(-(-lay.strips // WARPS), len(self.dequant_starts) - 1),
-               block=(THREADS,), args=(*self.packed, self.dequant_starts, lay.np_, w))
+        launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,), args=(plan.arg(), w))
         return w
 
     def nbytes(self) -> int:
-        """Device bytes of the repacked weight (what a decode step reads), bias included."""
-        return self.layout.nbytes() + (0 if self.bias is None else self.bias.numel() * 2)
+        """Device bytes of the repacked weights (what a decode step reads), biases included."""
+        return sum(lay.nbytes() for lay in self.layouts) + sum(b.numel() * 2 for b in self.biases if b is not None)
 
-    def dequantize(self) -> Tensor:
-        """The fp16 weight [N, K] as the large-M path uses it."""
-        return self._dequant()[:, :self.layout.n].T.contiguous()
+    def dequantize(self, i: int = 0) -> Tensor:
+        """Weight i in fp16 [N, K] as the large-M path uses it."""
+        return self._dequant(i)[:, :self.layouts[i].n].T.contiguous()
 
 
 def layout_for(weight: Exl2Weight | GptqWeight) -> LaneLayout:
@@ -356,4 +478,13 @@ def layout_for(weight: Exl2Weight | GptqWeight) -> LaneLayout:
 
 def prepare(weight: Exl2Weight | GptqWeight, bias: Tensor | None) -> QuantMatmul:
     """Called once when a layer is placed on the GPU: repack, plan, and return the forward f(x) -> y."""
-    return QuantMatmul(layout_for(weight), bias)
+    return QuantMatmul([layout_for(weight)], [bias])
+
+
+def fuse(kernels: list[QuantMatmul]) -> QuantMatmul | None:
+    """One forward for single-weight forwards that share x (their layouts and biases, no copy), or None when they
+    cannot share a launch (formats or K differ, too many)."""
+    layouts = [lay for k in kernels for lay in k.layouts]
+    if len(layouts) > MAX_PARTS or len({(lay.fmt, lay.k) for lay in layouts}) != 1:
+        return None
+    return QuantMatmul(layouts, [b for k in kernels for b in k.biases])

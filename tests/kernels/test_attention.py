@@ -150,12 +150,8 @@ def test_wide_block_table_and_padding_rows():
 
 
 def test_every_launched_kernel_is_defined():
-    """The launcher's kernel names against the extern "C" entry points the .cu file's macros generate."""
+    """The launcher's kernel names against the extern "C" entry points the .cu file's macro generates."""
     from exl_backends.kernels import attention
     source = (Path(attention.__file__).with_suffix(".cu")).read_text()
-    defined = {f"attention_split_{mode}_d{dh}_g{g}"
-               for mode, dh in re.findall(r"^ATTENTION_SPLIT_GROUPS\((\w+), (\d+),", source, re.M)
-               for g in (2, 4, 8)}
-    defined |= set(re.findall(r"^ATTENTION_COMBINE\((\w+),", source, re.M))
-    wanted = set(attention.SPLIT_KERNELS.values()) | set(attention.COMBINE_KERNELS.values())
-    assert wanted == defined
+    defined = {f"paged_decode_{mode}_d{dh}" for mode, dh in re.findall(r"^PAGED_DECODE\((\w+), (\d+),", source, re.M)}
+    assert set(attention.DECODE_KERNELS.values()) == defined

@@ -1,10 +1,10 @@
 """kv_cache.cu against reference.quantize_kv / dequantize_kv, through KVCache.write on CUDA (which dispatches to the
-kernels) and kernels.kv_cache.read."""
+kernels) and kernels.kv_cache.read; the fused RoPE + write against reference.apply_rope followed by KVCache.write."""
 import pytest
 import torch
 from kernel_testing import attention_config, needs_gpu, poison_allocator
 
-from exl_backends import reference
+from exl_backends import ops, reference
 from exl_backends.cache import KVCache
 from exl_backends.errors import ConfigError
 
@@ -91,6 +91,50 @@ def test_read_matches_reference_bit_for_bit(mode, hkv, dh):
     ref_k, ref_v = cache.read(0, slots)                     # the reference path (torch ops)
     assert ours_k.shape == (201, hkv, dh) and ours_k.dtype == torch.float16
     assert torch.equal(ours_k, ref_k) and torch.equal(ours_v, ref_v)
+
+
+def bits_of(t):
+    """A tensor's raw bits (NaN poison compares equal to itself)."""
+    return t.view(torch.int16) if t.dtype == torch.float16 else t
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q8", "q6", "q4"])
+@pytest.mark.parametrize("heads, hkv, dh", [(32, 8, 128), (9, 3, 64), (6, 2, 128)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope_write_matches_rope_then_write(mode, heads, hkv, dh, rows):
+    from exl_backends.kernels import kv_cache
+    ours, ref = make_cache(hkv, dh, mode), make_cache(hkv, dh, mode)
+    k, v, g = random_kv(rows, hkv, dh, seed=rows + 13 * heads + dh)
+    q = (torch.randn(rows, heads, dh, device="cuda", generator=g) * 3).half()
+    positions = torch.randint(0, 40000, (rows,), device="cuda", generator=g)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dh, 2, device="cuda").float() / dh))
+    cos, sin = reference.rope_cos_sin(positions, inv_freq, 1.0, torch.float16)
+    slots = torch.randperm(ours.max_tokens, device="cuda", generator=g)[:rows]
+    poison_allocator()
+    q_ours = kv_cache.rope_write(q, k, v, cos, sin, ours, 0, slots)
+    q_ref = ops.rope_write(q, k, v, cos, sin, ref, 0, slots)       # reference.apply_rope, then KVCache.write
+    assert q_ours.shape == q.shape and torch.equal(q_ours, q_ref)
+    a, b = ours.layers[0], ref.layers[0]
+    for x, y in ((a.k, b.k), (a.v, b.v), (a.k_scales, b.k_scales), (a.v_scales, b.v_scales)):
+        if x is not None:
+            assert torch.equal(bits_of(x), bits_of(y))          # written slots equal, the rest still poisoned
+
+
+@pytest.mark.parametrize("heads, hkv, dh", [(4, 2, 16), (3, 1, 32)])
+def test_rope_write_small_heads_fp16(heads, hkv, dh):
+    """Rows shorter than a warp's 64 elements (q and k/v warps partly idle)."""
+    from exl_backends.kernels import kv_cache
+    ours, ref = make_cache(hkv, dh, "fp16"), make_cache(hkv, dh, "fp16")
+    k, v, g = random_kv(5, hkv, dh, seed=dh)
+    q = torch.randn(5, heads, dh, device="cuda", generator=g).half()
+    cos = torch.randn(5, dh, device="cuda", generator=g).half()      # both halves differ: taken as given
+    sin = torch.randn(5, dh, device="cuda", generator=g).half()
+    slots = torch.randperm(ours.max_tokens, device="cuda", generator=g)[:5]
+    poison_allocator()
+    assert torch.equal(kv_cache.rope_write(q, k, v, cos, sin, ours, 0, slots),
+                       ops.rope_write(q, k, v, cos, sin, ref, 0, slots))
+    assert torch.equal(bits_of(ours.layers[0].k), bits_of(ref.layers[0].k))
+    assert torch.equal(bits_of(ours.layers[0].v), bits_of(ref.layers[0].v))
 
 
 def test_quantized_round_trip_is_close():

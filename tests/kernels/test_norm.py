@@ -9,7 +9,7 @@ from exl_backends import reference
 pytestmark = needs_gpu
 
 ROWS = (1, 3, 17, 333)
-DIMS = (576, 4096, 5120, 1001)          # 1001: no 16-byte vectors
+DIMS = (576, 4096, 5120, 16384, 1001)   # 1001: no 16-byte vectors
 
 
 def random_row_data(rows, dim, seed):
@@ -62,3 +62,10 @@ def test_rmsnorm_of_a_strided_view():
     view = x[:, 8:]
     poison_allocator()
     assert_close_to_rounding(norm.rmsnorm(view, w[8:], 1e-5), reference.rmsnorm(view.contiguous(), w[8:], 1e-5))
+
+
+def test_rows_longer_than_the_kernels_hold():
+    from exl_backends.kernels import norm
+    x, w, _ = random_row_data(1, 4097, seed=5)      # unaligned rows: at most 256 threads x 16 elements
+    with pytest.raises(ValueError, match="4097"):
+        norm.rmsnorm(x, w, 1e-5)

@@ -54,15 +54,15 @@ def lane_codes(lane: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def chunk_scales(lay: qm.LaneLayout, c: int) -> tuple[torch.Tensor, torch.Tensor | int]:
-    """(scales [Np] f32 holding fp16 values, zero points) of chunk c, derived from chunk_meta and meta0/meta1 the
-    way the kernels do."""
-    offset, base = lay.chunk_meta[c].tolist()
+    """(scales [Np] f32 holding fp16 values, zero points) of chunk c, derived from chunk_meta and the strip-major
+    meta0/meta1 the way the kernels do."""
+    g, base = lay.chunk_meta[c].tolist()
+    assert g == lay.chunk_group[c]
     if lay.fmt is qm.Format.GPTQ:
-        g = offset // (64 * lay.strips)
-        assert base == 32 * lay.strips * g
-        return unlane_order(lay.meta0[g: g + 1].cpu()).float()[0], unlane_order(lay.meta1[g: g + 1].cpu()).long()[0]
-    words = lay.meta0.cpu().long().reshape(-1)[offset // 4: offset // 4 + 4 * lay.strips].reshape(1, -1, 4) & 0xFFFFFFFF
-    lane16 = torch.stack([(words[..., g // 2] >> 16 * (g % 2)) & 0xFFFF for g in range(8)], dim=2)   # [1, S, 8]
+        scales, zeros = lay.meta0[:, g].cpu(), lay.meta1[:, g].cpu()                  # [strips, 8, 4]
+        return unlane_order(scales[None]).float()[0], unlane_order(zeros[None]).long()[0]
+    words = lay.meta0[:, g].cpu().long()[None] & 0xFFFFFFFF                           # [1, strips, 4]
+    lane16 = torch.stack([(words[..., g8 // 2] >> 16 * (g8 % 2)) & 0xFFFF for g8 in range(8)], dim=2)   # [1, S, 8]
     codes = torch.stack([lane16 & 15, lane16 >> 8 & 15, lane16 >> 4 & 15, lane16 >> 12 & 15], dim=3)
     assert base >> 16 & 0xFFFF == base & 0xFFFF
     m = torch.tensor([base & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
@@ -70,18 +70,21 @@ def chunk_scales(lay: qm.LaneLayout, c: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
-    """The fp16 weight [N, K] read back from a lane layout the way the kernels read it."""
+    """The fp16 weight [N, K] read back from a lane layout the way the kernels read it: chunk c of width B at word
+    32 * (sum of the widths before it) of its strip, runs of one width in WIDTHS order (run_start)."""
     words = (lay.words.cpu().long() & 0xFFFFFFFF).view(lay.strips, -1)
-    prefix = lay.bits_prefix.tolist()
-    bounds = lay.run_bounds.tolist()
+    bounds = lay.run_start
     stored = torch.empty(lay.k, lay.np_, dtype=torch.float16)
+    word = 0
     for c, bits in enumerate(lay.chunk_bits):
         assert bounds[qm.WIDTHS.index(bits)] <= c < bounds[qm.WIDTHS.index(bits) + 1]
-        chunk = words[:, 32 * prefix[c]: 32 * prefix[c + 1]]
+        chunk = words[:, word: word + 32 * bits]
+        word += 32 * bits
         planes = torch.split(chunk, [32 * w for w in qm.plane_words(bits)], dim=1)
         lane = torch.cat([p.reshape(lay.strips, 32, -1) for p in planes], dim=2)
         scales, z = chunk_scales(lay, c)
         stored[32 * c: 32 * c + 32] = ((lane_codes(lane, bits) - z).float() * scales).half()
+    assert word == lay.words_per_strip
     w = torch.empty_like(stored)
     w[lay.perm.cpu().long() if lay.perm is not None else torch.arange(lay.k)] = stored
     return w[:, :lay.n].T
@@ -144,29 +147,59 @@ def test_x_tile_rows_start_eight_banks_apart():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 9, 16])
-def test_small_m_plans_fill_the_gpu_within_limits(rows):
-    lay = qm.exl2_layout(synthetic.random_exl2(4096, 256, "0.05:8b_32g/0.95:4b_128g"))
-    plan = qm.plan_small(lay, rows, n_sm=132)
-    assert plan.smem <= qm.X_SMEM_BYTES and plan.n_splits * rows <= qm.MAX_SPLIT_ROWS
-    assert plan.starts.tolist() == qm.split_starts(lay.chunk_bits, plan.n_splits)
+def test_small_m_plans_run_in_one_wave_within_limits(rows):
+    lays = [qm.exl2_layout(synthetic.random_exl2(4096, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (256, 96)]
+    counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
+    plan = qm.plan_small(lays, [None, None], counters, rows, n_sm=132)
+    p = plan.params
+    assert int(p["n_parts"]) == 2 and int(p["M"]) == rows and int(p["K"]) == 4096
+    assert plan.smem <= qm.X_SMEM_BYTES
     assert plan.kernel == qm.MATMUL_KERNELS[qm.Format.EXL2, 1 if rows == 1 else 8 if rows <= 8 else 16]
-    resident = qm.RESIDENT_BLOCKS[1 if rows == 1 else 8 if rows <= 8 else 16]
-    fills = plan.n_splits * -(-lay.strips // qm.WARPS) >= resident * 132
-    capped = plan.n_splits in (len(lay.chunk_bits) // qm.MIN_CHUNKS_PER_SPLIT, qm.MAX_SPLIT_ROWS // rows)
-    assert fills or capped
+    assert plan.blocks <= qm.RESIDENT_BLOCKS[1 if rows == 1 else 8 if rows <= 8 else 16] * 132   # one wave
+    block0, ws = 0, 0
+    for i, lay in enumerate(lays):
+        part = p["part"][i]
+        n = int(part["n_splits"])
+        assert 1 <= n <= qm.MAX_SPLITS and (n == 1 or n * rows <= qm.MAX_SPLIT_ROWS)
+        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
+        assert part["split_group"][:n + 1].tolist() == [lay.chunk_group[min(c, len(lay.chunk_group) - 1)]
+                                                        for c in part["split_chunk"][:n + 1]]
+        assert part["run_start"].tolist() == lay.run_start
+        words = [32 * sum(lay.chunk_bits[:c]) for c in range(len(lay.chunk_bits) + 1)]
+        assert part["run_word"].tolist() == [words[c] for c in lay.run_start[:-1]]
+        assert part["split_word"][:n + 1].tolist() == [words[c] for c in part["split_chunk"][:n + 1]]
+        assert int(part["block0"]) == block0 and int(part["col_blocks"]) == -(-lay.strips // qm.WARPS)
+        assert int(part["ws_offset"]) == ws and int(part["qw"]) == lay.words.data_ptr()
+        block0 += int(part["col_blocks"]) * n
+        ws += n * rows * lay.np_ if n > 1 else 0
+    assert plan.blocks == block0 and plan.ws_floats == ws
+
+
+def test_planner_prefers_one_full_wave():
+    lay = qm.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
+    assert qm.choose_splits([lay], 1, 3 * 132, 1) == [24]      # 16 column blocks: 384 of 396 slots, not 400
 
 
 # ----------------------------------------------------------------------------------------------- CPU: kernel decode
 
+def _offset_lines() -> str:
+    """C++ that prints offsetof of every field of qm.PART_DTYPE, then of qm.PARAMS_DTYPE, then both sizes."""
+    lines = [f'printf("%zu\\n", offsetof(qmm::Part, {name}));' for name in qm.PART_DTYPE.names]
+    lines += [f'printf("%zu\\n", offsetof(qmm::Params, {name}));' for name in qm.PARAMS_DTYPE.names]
+    lines += ['printf("%zu %zu\\n", sizeof(qmm::Part), sizeof(qmm::Params));']
+    return "\n        ".join(lines)
+
+
 HARNESS = r"""
 #include "quant_matmul.cu"
+#include <cstddef>
 #include <cstdio>
 template <int B> void pairs(const unsigned* in) {
     unsigned w[B];
     for (int i = 0; i < B; ++i) w[i] = in[i];
     for (int p = 0; p < 16; ++p) printf("%u %d\n", qmm::pair_bits<B>(w, p), qmm::magic_shift<B>(p));
 }
-int main() {   // lines "P bits words...", "S word g", "Z word j"
+int main() {   // lines "P bits words...", "S word g", "Z word j", "O 0"
     char op;
     unsigned in[8];
     int b;
@@ -175,6 +208,8 @@ int main() {   // lines "P bits words...", "S word g", "Z word j"
             for (int i = 0; i < b; ++i) scanf("%u", &in[i]);
             switch (b) { case 2: pairs<2>(in); break; case 3: pairs<3>(in); break; case 4: pairs<4>(in); break;
                          case 5: pairs<5>(in); break; case 6: pairs<6>(in); break; default: pairs<8>(in); }
+        } else if (op == 'O') {
+        OFFSETS
         } else {
             unsigned word = (unsigned)b, sel, r[2];
             scanf("%u", &sel);
@@ -183,7 +218,7 @@ int main() {   // lines "P bits words...", "S word g", "Z word j"
         }
     }
 }
-"""
+""".replace("OFFSETS", _offset_lines())
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +256,14 @@ def test_kernel_decodes_the_codes_the_repack_wrote(harness):
                 for e, half in enumerate((v & 0xFFFF, v >> 16)):
                     assert half >> 10 == 0x19 and half & ((1 << i) - 1) == 0, (bits, l, p)   # 1024 + code * 2^i
                     assert (half & 0x3FF) >> i == codes[row + e, col], (bits, l, p, e)
+
+
+def test_launch_parameters_match_the_kernels_structs(harness):
+    out = harness(["O 0"])
+    fields = [(qm.PART_DTYPE, name) for name in qm.PART_DTYPE.names] + \
+             [(qm.PARAMS_DTYPE, name) for name in qm.PARAMS_DTYPE.names]
+    assert [row[0] for row in out[:-1]] == [dtype.fields[name][1] for dtype, name in fields]
+    assert out[-1] == [qm.PART_DTYPE.itemsize, qm.PARAMS_DTYPE.itemsize]
 
 
 def test_kernel_reads_scale_codes_and_zeros_of_its_columns(harness):
@@ -346,3 +389,34 @@ def test_forward_replays_in_a_cuda_graph(m):
         assert torch.equal(y, f(x))           # deterministic split-K: graph and eager agree bit for bit
     assert not torch.equal(y, eager)
 
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 70])
+def test_fused_weights_match_each_weight(m):
+    k = 4128
+    weights = [synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+               synthetic.random_exl2(k, 517, "0.1:3b_64g/0.9:2b_64g", seed=2),
+               synthetic.random_exl2(k, 40, "6b_32g", seed=3)]
+    gen = torch.Generator().manual_seed(m)
+    biases = [(torch.randn(96, generator=gen) * 0.1).half(), None, (torch.randn(40, generator=gen) * 0.1).half()]
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None if b is None else b.cuda())
+                 for w, b in zip(weights, biases)])
+    assert f is not None and len(f.layouts) == 3
+    x = torch.randn(m, k, generator=gen).half()
+    for _ in range(2):                       # twice: split-K counters must reset themselves
+        poison_allocator()
+        ys = f.forward(x.cuda())
+        for w, b, y in zip(weights, biases, ys):
+            ref = x.float() @ w.dequantize().float().T + (0 if b is None else b.float())
+            y = y.float().cpu()
+            assert y.shape == ref.shape and torch.isfinite(y).all()
+            assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@on_gpu
+def test_weights_of_different_formats_are_not_fused():
+    exl2_w = synthetic.random_exl2(416, 96, "4b_128g")
+    gptq_w = synthetic.random_gptq(416, 96, 4, 32, True, False)
+    kernels = [qm.prepare(w.to(torch.device("cuda")), None) for w in (exl2_w, gptq_w)]
+    assert qm.fuse(kernels) is None

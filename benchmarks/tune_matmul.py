@@ -1,0 +1,102 @@
+"""Times compile-time variants of quant_matmul.cu in one process (one device call), each after a quick correctness
+check against the reference (fused parts, 1..130 rows): for choosing constants such as QMM_PREFETCH_BYTES (a
+variant may also edit a constexpr into a macro first). Also a plain eager driver for ncu (--eager).
+
+    python benchmarks/tune_matmul.py --defines QMM_PREFETCH_BYTES=2048,QMM_PREFETCH_BYTES=4096 --m 1,16
+    ncu --kernel-name regex:exl2_matmul_m1 --launch-skip 4 --launch-count 1 python benchmarks/tune_matmul.py \
+        --eager 4096x14336
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_matmul import SHAPES, bench_format, copy_bandwidth, exl2_weight, gptq_weight  # noqa: E402
+
+from exl_backends.formats import synthetic  # noqa: E402
+from exl_backends.kernels import loader  # noqa: E402
+from exl_backends.kernels import quant_matmul as qm  # noqa: E402
+
+
+def use_define(define: str) -> None:
+    """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define)."""
+    original = loader.module.__wrapped__
+
+    @functools.cache
+    def module(family, cc):
+        if family != "quant_matmul" or not define:
+            return original(family, cc)
+        cp = loader.cupy()
+        source = f'#line 1 "{family}.cu"\n' + (loader.KERNEL_DIR / f"{family}.cu").read_text()
+        options = ("-std=c++17", f"-I{loader.KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}",
+                   "--use_fast_math", *(f"-D{d}" for d in define.split("+")))
+        mod = cp.RawModule(code=source, options=options, backend="nvrtc")
+        mod.compile()
+        return mod
+    module.__wrapped__ = original
+    loader.module = module
+
+
+def check() -> float:
+    """Worst relative error over a few odd shapes and row counts (fused parts included)."""
+    worst = 0.0
+    cases = [(4128, (96, 416, 40), "0.05:8b_32g/0.95:4b_128g", 1), (416, (517,), "0.1:3b_64g/0.9:2b_64g", 3),
+             (4128, (160, 96), "0.15:8b_128g/0.85:6b_128g", 16), (416, (96,), "5b_64g", 130)]
+    for k, ns, mix, m in cases:
+        ws = [synthetic.random_exl2(k, n, mix, seed=n + m) for n in ns]
+        x = torch.randn(m, k).half()
+        f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in ws])
+        for _ in range(2):
+            for w, y in zip(ws, f.forward(x.cuda())):
+                ref = x.float() @ w.dequantize().float().T
+                worst = max(worst, ((y.float().cpu() - ref).norm() / ref.norm()).item())
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--defines", default="")
+    ap.add_argument("--formats", default="exl2 4.0bpw")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--m", default="1", help="rows of x to time, e.g. 1,16")
+    ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times (for ncu)")
+    args = ap.parse_args()
+    if args.eager:
+        k, n = map(int, args.eager.split("x"))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        fs = [qm.prepare(exl2_weight(k, n, "4b_128g", gen), None) for _ in range(4)]
+        x = torch.randn(1, k, device="cuda").half()
+        for _ in range(3):
+            for f in fs:
+                f(x)
+        torch.cuda.synchronize()
+        return
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    bw = copy_bandwidth()
+    makers = {"exl2 2.5bpw": lambda k, n: lambda g: exl2_weight(k, n, "0.05:6b_32g/0.2:3b_64g/0.75:2b_64g", g),
+              "exl2 4.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "4b_128g", g),
+              "exl2 6.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "6b_128g", g),
+              "gptq 4bit": lambda k, n: lambda g: gptq_weight(k, n, 4, 128, g)}
+    rows = []
+    for define in args.defines.split(","):
+        use_define(define)
+        err = check()
+        for fmt in args.formats.split(","):
+            for k, n in shapes:
+                for m in map(int, args.m.split(",")):
+                    s, nbytes = bench_format(k, n, makers[fmt](k, n), m)
+                    rows.append((define, fmt, f"{k}x{n} M={m}", s * 1e6, 100 * nbytes / s / bw, err))
+                    print(*rows[-1], flush=True)
+            torch.cuda.empty_cache()
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s")
+    for r in rows:
+        print(f"{r[0]:44} {r[1]:12} {r[2]:17} {r[3]:8.2f} us {r[4]:6.1f} %  err {r[5]:.1e}")
+
+
+if __name__ == "__main__":
+    main()
