@@ -25,7 +25,9 @@ from exl_backends.bench import copy_bandwidth, decode_speed, prefill_speed  # no
 
 
 def transformers_baseline(shape: str, ctx: int = 256, new: int = 64) -> float:
-    """transformers bf16 generate with a static cache, same layer shapes, random weights."""
+    """transformers bf16 generate with a static cache, same layer shapes, random weights. Eager: with a static
+    cache on CUDA, generate() would torch.compile the forward, and recompile for every new cache length (the
+    first run of this benchmark measured that compile: 1.2 tok/s)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
     torch.manual_seed(0)
@@ -37,7 +39,7 @@ def transformers_baseline(shape: str, ctx: int = 256, new: int = 64) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
-                    pad_token_id=0)
+                    pad_token_id=0, disable_compile=True)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
     run(4)

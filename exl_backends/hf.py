@@ -44,10 +44,9 @@ class ExlForCausalLM:
     page_size = 256
 
     def __init__(self, model: Model, tokenizer, path: Path, max_seq_len: int, cache_mode: str):
-        from transformers import AutoConfig
         self.model, self.tokenizer, self.name_or_path = model, tokenizer, str(path)
         self.exl_config: ModelConfig = model.config
-        self.config = AutoConfig.from_pretrained(str(path))         # transformers' PretrainedConfig
+        self.config = hf_config(path, model.config.raw)             # transformers' PretrainedConfig
         self.generation_config = load_generation_config(path, self.config)
         self.max_seq_len, self.cache_mode = max_seq_len, cache_mode
 
@@ -391,6 +390,16 @@ def load_generation_config(path: Path, config):
     if (path / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(str(path))
     return GenerationConfig.from_model_config(config)
+
+
+def hf_config(path: Path, raw: dict):
+    """transformers' config class for the directory; a plain PretrainedConfig of the same fields when transformers
+    does not know the model type (our own parse of config.json already succeeded)."""
+    from transformers import AutoConfig, PretrainedConfig
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, OSError):
+        return PretrainedConfig.from_dict(raw)
 
 
 def load_tokenizer(path: Path):

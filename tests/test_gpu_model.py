@@ -1,0 +1,77 @@
+"""Whole models on the GPU against the CPU reference: a random EXL2 model of SmolLM2-135M's shape, and generation
+with graph-captured decode against eager decode."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from exl_backends import ExlForCausalLM, Generator
+from exl_backends.formats.exl2_writer import linear_tensors
+from exl_backends.formats.synthetic import random_exl2
+
+from conftest import FIXTURES, TOKENIZER_DIR, needs_fixtures
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SMOLLM2 = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def write_random_exl2(directory, config: dict, seed: int = 0) -> None:
+    """An EXL2 checkpoint with random valid codes (mixed widths, act-order) and fp16 embeddings/norms."""
+    gen = torch.Generator().manual_seed(seed)
+    d, hd = config["hidden_size"], config["hidden_size"] // config["num_attention_heads"]
+    q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
+    tensors = {"model.embed_tokens.weight": (torch.randn(config["vocab_size"], d, generator=gen) * 0.5).half(),
+               "model.norm.weight": (1 + 0.1 * torch.randn(d, generator=gen)).half()}
+    mixes = ["0.05:8b_32g/0.95:4b_128g", "0.1:4b_128g/0.9:3b_128g", "6b_128g", "0.1:5b_32g/0.9:4b_32g"]
+    shapes = {"self_attn.q_proj": (d, q), "self_attn.k_proj": (d, kv), "self_attn.v_proj": (d, kv),
+              "self_attn.o_proj": (q, d), "mlp.gate_proj": (d, inter), "mlp.up_proj": (d, inter),
+              "mlp.down_proj": (inter, d)}
+    n = 0
+    for i in range(config["num_hidden_layers"]):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = (1 + 0.1 * torch.randn(d, generator=gen)).half()
+        for name, (k, m) in shapes.items():
+            n += 1
+            w = random_exl2(k, m, mixes[n % len(mixes)], seed=seed * 1000 + n)
+            tensors.update(linear_tensors(f"model.layers.{i}.{name}", w))
+    tensors.update(linear_tensors("lm_head", random_exl2(d, config["vocab_size"], "0.15:8b_128g/0.85:6b_128g",
+                                                         seed=seed)))
+    save_file(tensors, str(directory / "output.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((TOKENIZER_DIR / name).read_bytes())
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@needs_fixtures()
+def test_smollm2_shape_gpu_logits_match_cpu_reference(tmp_path):
+    write_random_exl2(tmp_path, SMOLLM2)
+    ids = torch.randint(0, 509, (1, 77), generator=torch.Generator().manual_seed(1))
+    cpu = ExlForCausalLM.from_pretrained(tmp_path, device="cpu", max_seq_len=256)(ids).logits
+    gpu = ExlForCausalLM.from_pretrained(tmp_path, device="cuda", max_seq_len=256)(ids.cuda()).logits.cpu()
+    assert rel(gpu, cpu) < 1e-2            # fp16 activations over 30 layers vs the f32 reference
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.8   # random weights: some near-ties
+
+
+@needs_fixtures()
+@pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
+def test_graph_replay_generates_the_same_tokens_as_eager(cache_mode):
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                           max_seq_len=512, cache_mode=cache_mode)
+    prompts = [[509] + list(range(20 + i, 40 + 3 * i)) for i in range(5)]
+
+    def run(graphs):
+        gen = Generator(model, cuda_graphs=graphs, max_batch_size=8)
+        jobs = [gen.submit(p, max_new_tokens=40, stop_token_ids=[]) for p in prompts]
+        return [job.result().token_ids for job in jobs]
+    assert run(True) == run(False)
