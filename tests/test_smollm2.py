@@ -37,3 +37,12 @@ def test_chat_answer_names_paris(smollm2):
     ids = chat_prompt(model.tokenizer, "What is the capital of France?")
     answer = str(Generator(model).generate(ids, max_new_tokens=24, sampling=SamplingParams(temperature=0.0)))
     assert "Paris" in answer
+
+
+def test_quickstart_runs_the_exl2_conversion_and_answers_paris(capsys):
+    from exl_backends import quickstart
+    answer = quickstart.run(device="cpu", max_new_tokens=24)
+    assert "Paris" in answer
+    config = (quickstart.default_exl2_dir("cpu") / "config.json").read_text()
+    assert '"quant_method": "exl2"' in config
+    assert "tokens/s" in capsys.readouterr().out
