@@ -26,7 +26,8 @@ needs_fixtures = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason=f"{TOKENI
 
 @functools.cache
 def tiny_chat_model(seed: int = 0) -> str:
-    """The directory of a tiny random chat model (made once per process, deleted at exit)."""
+    """The directory of a tiny random chat model converted to EXL2 6.0 bpw by our converter (made once per
+    process, deleted at exit), so the adapters run through the quantized path."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     directory = Path(tempfile.mkdtemp(prefix=f"exl-tiny-chat-{seed}-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -47,4 +48,7 @@ def tiny_chat_model(seed: int = 0) -> str:
     tokenizer_config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return str(directory)
+    from exl_backends.convert.pipeline import ConvertOptions, convert
+    exl2 = directory / "exl2"
+    convert(ConvertOptions(directory, exl2, 6.0, rows=4, length=64, device="cpu", job_dir=directory / "job"))
+    return str(exl2)
