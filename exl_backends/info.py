@@ -100,7 +100,9 @@ def _format_line(ckpt: formats.Checkpoint, config: ModelConfig) -> str:
         if q.get("quant_method") != "exl2":
             return "EXL2 (no quantization_config: detected from the tensor names)"
         cal = q.get("calibration") or {}
-        return (f"EXL2, converted by ExLlamaV2 {q.get('version', '?')}: target {q.get('bits', '?')} bpw, head "
+        version = str(q.get("version", "?"))
+        tool = version if version[:1].isalpha() else f"ExLlamaV2 {version}"   # ours writes "exl-backends X.Y.Z"
+        return (f"EXL2, converted by {tool}: target {q.get('bits', '?')} bpw, head "
                 f"{q.get('head_bits', '?')} bits, calibration {cal.get('rows', '?')} rows x "
                 f"{cal.get('length', '?')} tokens of {cal.get('dataset', '?')}")
     if ckpt.format == "gptq":

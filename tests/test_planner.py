@@ -18,7 +18,7 @@ from exl_backends.errors import OutOfMemoryPlanError
 from exl_backends.linear import Linear
 from exl_backends.model import Model
 
-from conftest import FIXTURES, save_tiny, tiny_config
+from conftest import FIXTURES, needs_fixtures, save_tiny, tiny_config
 from quant_helpers import quantize_dir
 
 MIB = 2**20
@@ -199,3 +199,21 @@ def test_exl_info_command(dirs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "GPTQ 4-bit" in out and "2048-token context, q8 cache" in out and (tmp_path / "b.png").is_file()
     assert cli.main(["info", str(tmp_path / "missing")]) == 1
+
+
+@needs_fixtures()
+def test_exl_info_names_the_converter(tmp_path, capsys):
+    """ExLlamaV2's version field is a bare number, ours names the tool."""
+    import json
+    import shutil
+    from exl_backends import cli
+    src = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
+    assert cli.main(["info", str(src)]) == 0
+    assert "converted by ExLlamaV2 0.3.2: target 4.0 bpw" in capsys.readouterr().out
+    ours = tmp_path / "ours"
+    shutil.copytree(src, ours)
+    config = json.loads((ours / "config.json").read_text())
+    config["quantization_config"]["version"] = "exl-backends 0.1.0"
+    (ours / "config.json").write_text(json.dumps(config))
+    assert cli.main(["info", str(ours)]) == 0
+    assert "converted by exl-backends 0.1.0: target 4.0 bpw" in capsys.readouterr().out

@@ -25,20 +25,22 @@ MAX_BATCH_ELEMENTS = 2 ** 28   # settings quantized together are split so W [S, 
 
 
 class Hessian:
-    """H = (1/B) sum over calibration rows of X_r^T X_r, X_r the layer input of row r [tokens, K], in f32."""
+    """H = (1/T) sum over the T calibration tokens a layer saw of x_t^T x_t, in f32. (ExLlamaV2 divides by the
+    number of rows instead; a constant factor, which neither the relative damping nor GPTQ's updates see.)
+    Per token, because an MoE expert sees a different number of tokens from every row."""
 
     def __init__(self, k: int, device: torch.device):
         self.sum = torch.zeros(k, k, dtype=torch.float32, device=device)
-        self.rows = 0
+        self.tokens = 0
 
     def add(self, x: Tensor) -> None:
-        """x [rows, tokens, K]."""
+        """x [..., K]: layer inputs."""
         flat = x.reshape(-1, x.shape[-1]).float()
         self.sum.addmm_(flat.T, flat)
-        self.rows += x.shape[0]
+        self.tokens += flat.shape[0]
 
     def value(self) -> Tensor:
-        return self.sum / max(self.rows, 1)
+        return self.sum / max(self.tokens, 1)
 
 
 @dataclass

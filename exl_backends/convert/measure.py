@@ -1,70 +1,53 @@
 """Measurement pass (exl2-format.md §10.7): for every attention and MLP sub-layer, quantize each projection under
 every setting the candidate table uses, then run the sub-layer with each joint candidate substituted and record
 its accuracy 1 - mean_tokens(||y_q - y_ref|| / ||y_ref||) (per token, see forward.token_errors, where ExLlamaV2
-averages per row). Inputs are the unquantized model's states, so each layer's measurement is independent of the
-others. The result (measurement.json, ExLlamaV2's layout) is reusable for any target."""
+averages per row). In an MoE layer a candidate's w1/w3/w2 settings apply to every expert, each quantized with
+the Hessian of the tokens routed to it. Inputs are the unquantized model's states, so each layer's measurement
+is independent of the others. The result (measurement.json, ExLlamaV2's layout) is reusable for any target."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..config import ModelConfig
 from ..errors import ExlError
 from . import forward
-from .forward import ATTN, MLP, Context, LayerWeights, has_bias, projection_shape
-from .gptq import EXL2_DAMP, Hessian, exl2_scale, prepare, quantize
-from .qparams import ATTN_CANDIDATES, MLP_CANDIDATES, QParams, distinct
-
-# (projections, joint candidates, forward) per sub-layer; the last projection reads the second Hessian.
-SUBLAYERS = ((ATTN, ATTN_CANDIDATES, forward.attention_chunk), (MLP, MLP_CANDIDATES, forward.mlp_chunk))
+from .forward import Context, Layer, Sublayer
+from .gptq import EXL2_DAMP, exl2_scale, prepare, quantize
+from .qparams import QParams, distinct
 
 
-def sublayer_key(config: ModelConfig, i: int, projections: tuple[str, ...]) -> str:
-    """'model.layers.{i}.self_attn' or '.mlp', as measurement.json names them."""
-    sub = getattr(config.traits.names, projections[0]).rsplit(".", 1)[0]
-    return f"{config.traits.names.layer.format(i=i)}.{sub}"
-
-
-def proj_name(config: ModelConfig, proj: str) -> str:
-    """'q_proj', 'down_proj', ...: the key of a projection inside a measurement entry."""
-    return getattr(config.traits.names, proj).rsplit(".", 1)[-1]
-
-
-def candidate_bits(config: ModelConfig, projections: tuple[str, ...], candidate: tuple[QParams, ...]) -> int:
-    return sum(qp.total_bits(*projection_shape(config, p), has_bias(config, p))
-               for p, qp in zip(projections, candidate))
-
-
-def hessians(config: ModelConfig, projections: tuple[str, ...], device: torch.device) -> tuple[Hessian, Hessian]:
-    return (Hessian(projection_shape(config, projections[0])[0], device),
-            Hessian(projection_shape(config, projections[-1])[0], device))
-
-
-def measure_layer(states: Tensor, lw: LayerWeights, ctx: Context, i: int) -> tuple[dict[str, list], Tensor]:
+def measure_layer(states: Tensor, layer: Layer, ctx: Context, i: int) -> tuple[dict[str, list], Tensor]:
     """states [R, L, D]: the unquantized inputs of layer i. Returns its measurement entries and its
     unquantized outputs."""
-    config, out, x = ctx.config, {}, states
-    for projections, candidates, sublayer in SUBLAYERS:
-        h = hessians(config, projections, ctx.device)
-        y_ref = forward.run(sublayer, x, lw, ctx, h)
-        shared = [prepare(h[0].value(), EXL2_DAMP), prepare(h[1].value(), EXL2_DAMP)]
-        fake: dict[str, dict[QParams, Tensor]] = {}
-        for pos, proj in enumerate(projections):
-            settings = distinct(candidates, pos)
-            k = projection_shape(config, proj)[0]
-            results = quantize(lw.weights[proj], shared[pos == len(projections) - 1],
-                               [qp.groups(k) for qp in settings], exl2_scale)
-            fake[proj] = {qp: r.weight for qp, r in zip(settings, results)}     # fp16 [N, K]
-        entries = []
-        for candidate in candidates:
-            trial = lw.with_weights({p: fake[p][qp].float() for p, qp in zip(projections, candidate)})
-            err = forward.relative_error(sublayer, x, y_ref, trial, ctx)
-            entry = {"accuracy": max(1e-6, 1.0 - err), "total_bits": candidate_bits(config, projections, candidate)}
-            entry.update({proj_name(config, p): qp.to_dict() for p, qp in zip(projections, candidate)})
-            entries.append(entry)
-        out[sublayer_key(config, i, projections)] = entries
-        x = y_ref
+    out, x = {}, states
+    for sub in layer.sublayers:
+        out[sub.key], x = measure_sublayer(sub, x, layer, ctx)
     return out, x
+
+
+def measure_sublayer(sub: Sublayer, x: Tensor, layer: Layer, ctx: Context) -> tuple[list[dict], Tensor]:
+    hessians = forward.input_hessians(sub, layer, ctx.device)
+    y_ref = forward.run(sub, x, layer, ctx, hessians)
+    prepared = {g.keys: prepare(forward.group_hessian(g, hessians), EXL2_DAMP) for g in sub.groups}
+    group_of = {key: g.keys for g in sub.groups for key in g.keys}
+    fake: dict[str, dict[QParams, Tensor]] = {}         # linear key -> setting -> fake-quantized fp16 weight
+    for pos, role in enumerate(sub.roles):
+        settings = distinct(sub.candidates, pos)
+        for key, k, _, _ in role.linears:
+            results = quantize(layer.linears[key].weight, prepared[group_of[key]],
+                               [qp.groups(k) for qp in settings], exl2_scale)
+            fake[key] = {qp: r.weight for qp, r in zip(settings, results)}     # [N, K], fp16 to halve memory
+    original = layer.weights(fake)
+    entries = []
+    for candidate in sub.candidates:
+        layer.set_weights({key: fake[key][qp].float() for role, qp in zip(sub.roles, candidate)
+                           for key, *_ in role.linears})
+        err = forward.relative_error(sub, x, y_ref, layer, ctx)
+        entry = {"accuracy": max(1e-6, 1.0 - err), "total_bits": sub.bits(candidate)}
+        entry.update({role.name: qp.to_dict() for role, qp in zip(sub.roles, candidate)})
+        entries.append(entry)
+    layer.set_weights(original)
+    return entries, y_ref
 
 
 def measurement_file(config: ModelConfig, layers: dict[str, list], n_done: int) -> dict:
@@ -84,19 +67,19 @@ def check_measurement(data: dict, config: ModelConfig, source: str) -> dict[str,
     if not isinstance(layers, dict):
         raise ExlError(f"{source}: not a measurement file (no 'measurement' object)")
     for i in range(config.n_layers):
-        for projections, _, _ in SUBLAYERS:
-            key = sublayer_key(config, i, projections)
-            entries = layers.get(key)
+        for sub in forward.sublayers(config, i):
+            entries = layers.get(sub.key)
             if not entries:
-                raise ExlError(f"{source}: no measurement for {key}; the file is incomplete or from another model")
+                raise ExlError(f"{source}: no measurement for {sub.key}; the file is incomplete or from another "
+                               f"model")
             for e in entries:
                 try:
-                    cand = tuple(QParams.from_dict(e[proj_name(config, p)]) for p in projections)
+                    cand = tuple(QParams.from_dict(e[role.name]) for role in sub.roles)
                     bits, acc = int(e["total_bits"]), float(e["accuracy"])
                 except (KeyError, TypeError, ValueError) as err:
-                    raise ExlError(f"{source}: malformed entry under {key} ({err!r})") from None
-                if bits != candidate_bits(config, projections, cand) or not 0 < acc <= 1:
-                    raise ExlError(f"{source}: entry {cand[0].desc()} of {key} has total_bits {bits} / accuracy "
+                    raise ExlError(f"{source}: malformed entry under {sub.key} ({err!r})") from None
+                if bits != sub.bits(cand) or not 0 < acc <= 1:
+                    raise ExlError(f"{source}: entry {cand[0].desc()} of {sub.key} has total_bits {bits} / accuracy "
                                    f"{acc}, which do not fit this model's shapes; the measurement is from "
                                    f"another model")
     return layers

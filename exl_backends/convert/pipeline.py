@@ -16,18 +16,18 @@ import torch
 from tqdm import tqdm
 
 from .. import formats
-from ..config import Activation, ModelConfig
+from ..config import ModelConfig
 from ..errors import DeviceError, ExlError, UnsupportedArchitectureError
 from ..formats.exl2_writer import (copy_file, copy_support_files, exl2_config, with_top_level_rope, write_json,
                                    write_shards)
 from ..hf import load_tokenizer
-from ..model import validate
+from ..model import attention_linears, mlp_linears, norm_names, validate
 from ..tensors import TensorStore
 from . import calibration, forward, receipt
-from .forward import ATTN, CONVERTIBLE, MLP, Context, has_bias, layer_key, projection_shape
+from .forward import Context, quantized_linears
 from .gptq_writer import GptqQuantizer
 from .job import Job, Stage, job_stage, load_states, save_states, states_file
-from .measure import SUBLAYERS, check_measurement, measure_layer, measurement_file, sublayer_key
+from .measure import check_measurement, measure_layer, measurement_file
 from .optimize import Option, optimize
 from .qparams import HEAD_OPTIONS, QParams
 from .quantize import Exl2Quantizer, quantize_head, quantize_layer
@@ -177,18 +177,19 @@ def _device(name: str | None) -> torch.device:
 
 
 def _check_source(ckpt: formats.Checkpoint, config: ModelConfig, o: ConvertOptions) -> None:
-    if config.architecture not in CONVERTIBLE or config.activation is not Activation.SILU:
+    names = config.traits.names
+    if o.format == "gptq" and (names.qkv or names.gate_up):
         raise UnsupportedArchitectureError(
-            f"{o.input_dir}: {config.architecture} models load, but exl convert cannot convert them yet (its "
-            f"layer-by-layer forward covers {', '.join(CONVERTIBLE)})")
+            f"{o.input_dir}: {config.architecture} keeps q/k/v and gate/up fused (qkv_proj, gate_up_proj); a GPTQ "
+            f"checkpoint would quantize them fused, which the runtime does not load. Convert to EXL2 instead "
+            f"(--format exl2 stores the projections split)")
     if ckpt.format in ("exl2", "gptq"):
         raise ExlError(f"{o.input_dir} is already quantized ({ckpt.format}); convert from the fp16/bf16 checkpoint")
     validate(ckpt, config)
-    for proj in ATTN + MLP:
-        k, _ = projection_shape(config, proj)
+    for key, k, _, _ in quantized_linears(config):
         if k % 32:
-            raise ExlError(f"{getattr(config.traits.names, proj)} has {k} input features; EXL2 and GPTQ pack "
-                           f"input rows in runs of 32, so this model cannot be converted")
+            raise ExlError(f"{key} has {k} input features; EXL2 and GPTQ pack input rows in runs of 32, so this "
+                           f"model cannot be converted")
 
 
 def _check_writable(output: Path) -> None:
@@ -251,13 +252,9 @@ def _optimize(run: Run) -> None:
     layers = check_measurement(data, config, str(source))
     if o.measurement:
         write_json(data, job.path("measurement.json"))
-    keys, slots = [], []
-    for i in range(config.n_layers):
-        for projections, _, _ in SUBLAYERS:
-            key = sublayer_key(config, i, projections)
-            keys.append(key)
-            slots.append([Option(int(e["total_bits"]), 1.0 - float(e["accuracy"])) for e in layers[key]])
-    n_weights = config.n_layers * sum(math.prod(projection_shape(config, p)) for p in ATTN + MLP)
+    keys = [sub.key for i in range(config.n_layers) for sub in forward.sublayers(config, i)]
+    slots = [[Option(int(e["total_bits"]), 1.0 - float(e["accuracy"])) for e in layers[key]] for key in keys]
+    n_weights = sum(k * n for _, k, n, _ in quantized_linears(config))
     solution = optimize(slots, n_weights, o.bits)
     strategy = {key: layers[key][c] for key, c in zip(keys, solution.choice)}
     log.info("optimizer: %.4f bpw, max expected error %.5f (eta %.2f)", solution.bpw, solution.max_err,
@@ -284,11 +281,9 @@ def _quantize(run: Run) -> None:
         job.advance(Stage.QUANTIZE, quant_layer=i + 1)
         job.remove(states_file("quant", i))
     if o.format == "exl2":
-        names = config.traits.names
-        norm = run.store.get(f"{names.final_norm}.weight").to(run.device, torch.float32)
-        tensors, errors[names.lm_head] = quantize_head(
-            load_states(job, "quant", n), norm, forward.output_head(run.ckpt, config, run.device), ctx,
-            names.lm_head, HEAD_OPTIONS[o.head_bits], quantizer)
+        head = config.traits.names.lm_head
+        tensors, errors[head] = quantize_head(load_states(job, "quant", n), forward.load_head(run.ckpt, config,
+                                              run.device), ctx, head, HEAD_OPTIONS[o.head_bits], quantizer)
         job.save_tensors(f"{QUANT_DIR}/head.safetensors", tensors)
     job.advance(Stage.COMPILE)
     job.remove(states_file("quant", n))
@@ -321,9 +316,11 @@ def _compile(run: Run) -> None:
 
 
 def _file_entries(run: Run, quant: TensorStore) -> list:
-    """(name, nbytes, load) for every output tensor in module order: fp16 embedding and norms from the source,
-    packed linears from the job's quant files, lm_head quantized (EXL2) or as in the source (GPTQ)."""
+    """(name, nbytes, load) for every output tensor, layer by layer: fp16 embedding, norms (as in the source) and
+    MoE routers from the source, packed linears from the job's quant files (Phi-3's split), lm_head quantized
+    (EXL2) or as in the source (GPTQ)."""
     config, store, names = run.config, run.store, run.config.traits.names
+    quantized = {key for key, *_ in quantized_linears(config)}
 
     def source(name):
         return (name, math.prod(store.info(name).shape) * 2, lambda: store.get(name).half())
@@ -334,13 +331,9 @@ def _file_entries(run: Run, quant: TensorStore) -> list:
 
     entries = [source(f"{names.embed}.weight")]
     for i in range(config.n_layers):
-        layer = names.layer.format(i=i)
-        entries.append(source(f"{layer}.{names.input_norm}.weight"))
-        for proj in ATTN:
-            entries += packed(layer_key(config, i, proj))
-        entries.append(source(f"{layer}.{names.post_attn_norm}.weight"))
-        for proj in MLP:
-            entries += packed(layer_key(config, i, proj))
+        entries += [source(name) for name, _ in norm_names(config, i)]
+        for key, *_ in attention_linears(config, i) + mlp_linears(config, i):
+            entries += packed(key) if key in quantized else [source(f"{key}.weight")]
     entries.append(source(f"{names.final_norm}.weight"))
     if run.options.format == "exl2":
         entries += packed(names.lm_head)
@@ -365,11 +358,9 @@ def written_bpw(store: TensorStore, config: ModelConfig) -> float:
         if suffix != "bias":
             by_key[key] = by_key.get(key, 0) + math.prod(info.shape) * info.dtype.itemsize * 8
     bits, weights = 0, 0
-    for i in range(config.n_layers):
-        for proj in ATTN + MLP:
-            k, n = projection_shape(config, proj)
-            bits += by_key[layer_key(config, i, proj)] + (16 * n if has_bias(config, proj) else 0)
-            weights += k * n
+    for key, k, n, bias in quantized_linears(config):
+        bits += by_key[key] + (16 * n if bias else 0)
+        weights += k * n
     return bits / weights
 
 
@@ -399,16 +390,14 @@ def _quality(run: Run, scores) -> dict:
     errors = state.get("errors", {})
     layers = {}
     for i in range(config.n_layers):
-        for projections, _, _ in SUBLAYERS:
-            key = sublayer_key(config, i, projections)
-            entry = {"error": errors.get(key)}
+        for sub in forward.sublayers(config, i):
+            entry = {"error": errors.get(sub.key)}
             if o.format == "exl2":
-                chosen = state["strategy"][key]
-                numel = sum(math.prod(projection_shape(config, p)) for p in projections)
-                settings = {name: QParams.from_dict(v).desc() for name, v in chosen.items() if isinstance(v, dict)}
-                entry.update(settings=settings, bpw=chosen["total_bits"] / numel,
+                chosen = state["strategy"][sub.key]
+                settings = {role.name: QParams.from_dict(chosen[role.name]).desc() for role in sub.roles}
+                entry.update(settings=settings, bpw=chosen["total_bits"] / sub.n_weights,
                              expected_error=1.0 - chosen["accuracy"])
-            layers[key] = entry
+            layers[sub.key] = entry
     quality = {
         "format": o.format,
         "bits": o.bits,

@@ -11,13 +11,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .. import reference
 from ..errors import ExlError
 from ..formats.exl2_writer import linear_tensors, pack_linear
 from . import forward
-from .forward import ATTN, MLP, Context, LayerWeights, layer_key
+from .forward import Context, Head, Layer
 from .gptq import EXL2_DAMP, Hessian, Prepared, QuantizedLinear, exl2_scale, prepare, quantize
-from .measure import hessians, proj_name, sublayer_key
 from .qparams import QParams
 
 
@@ -36,40 +34,40 @@ class LayerResult:
     errors: dict[str, float]        # sub-layer key -> relative output error vs the fp16 weights
 
 
-def quantize_layer(states: Tensor, lw: LayerWeights, ctx: Context, i: int, quantizer: LinearQuantizer,
+def quantize_layer(states: Tensor, layer: Layer, ctx: Context, i: int, quantizer: LinearQuantizer,
                    strategy: dict[str, dict] | None) -> tuple[LayerResult, Tensor]:
     """states [R, L, D]: the quantized model's inputs of layer i. strategy: measurement entry per sub-layer
     (EXL2) or None (GPTQ: one setting everywhere). Returns the packed layer and its quantized outputs."""
-    config, x = ctx.config, states
+    x = states
     result = LayerResult({}, {})
-    for projections, sublayer in ((ATTN, forward.attention_chunk), (MLP, forward.mlp_chunk)):
-        key = sublayer_key(config, i, projections)
-        h = hessians(config, projections, ctx.device)
-        y_ref = forward.run(sublayer, x, lw, ctx, h)
-        shared = [prepare(h[0].value(), quantizer.damp, quantizer.act_order),
-                  prepare(h[1].value(), quantizer.damp, quantizer.act_order)]
+    for sub in layer.sublayers:
+        hessians = forward.input_hessians(sub, layer, ctx.device)
+        y_ref = forward.run(sub, x, layer, ctx, hessians)
+        prepared = {g.keys: prepare(forward.group_hessian(g, hessians), quantizer.damp, quantizer.act_order)
+                    for g in sub.groups}
+        group_of = {key: g.keys for g in sub.groups for key in g.keys}
         new = {}
-        for pos, proj in enumerate(projections):
-            qp = QParams.from_dict(strategy[key][proj_name(config, proj)]) if strategy else None
-            tensors, weight = quantizer(layer_key(config, i, proj), qp, lw.weights[proj], lw.biases.get(proj),
-                                        shared[pos == len(projections) - 1])
-            result.tensors.update(tensors)
-            new[proj] = weight.float()
-        lw = lw.with_weights(new)
-        x = forward.run(sublayer, x, lw, ctx)
-        result.errors[key] = float(forward.token_errors(x, y_ref).mean())
+        for role in sub.roles:
+            qp = QParams.from_dict(strategy[sub.key][role.name]) if strategy else None
+            for key, *_ in role.linears:
+                linear = layer.linears[key]
+                tensors, weight = quantizer(key, qp, linear.weight, linear.bias, prepared[group_of[key]])
+                result.tensors.update(tensors)
+                new[key] = weight.float()
+        layer.set_weights(new)
+        x = forward.run(sub, x, layer, ctx)
+        result.errors[sub.key] = float(forward.token_errors(x, y_ref).mean())
     return result, x
 
 
-def quantize_head(states: Tensor, norm: Tensor, head: Tensor, ctx: Context, key: str, qp: QParams,
+def quantize_head(states: Tensor, head: Head, ctx: Context, key: str, qp: QParams,
                   quantizer: LinearQuantizer) -> tuple[dict[str, Tensor], float]:
     """lm_head [vocab, D] quantized with H from the final-norm output of the quantized model's states.
-    Returns its tensors and its relative output error on the calibration rows."""
-    h = Hessian(head.shape[1], ctx.device)
+    Returns its tensors and its relative weight error."""
+    h = Hessian(head.weight.shape[1], ctx.device)
     for rows in forward.chunks(*states.shape[:2]):
-        x = states[rows].to(ctx.device)
-        h.add(reference.rmsnorm(x.reshape(-1, x.shape[-1]), norm, ctx.config.rms_norm_eps).view(x.shape))
-    weight = head.to(ctx.device, torch.float32)
+        h.add(head.normed(states[rows].to(ctx.device)))
+    weight = head.weight
     tensors, dq = quantizer(key, qp, weight, None, prepare(h.value(), quantizer.damp, quantizer.act_order))
     return tensors, float(torch.linalg.vector_norm(dq.float() - weight) / torch.linalg.vector_norm(weight))
 
