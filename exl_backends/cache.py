@@ -67,13 +67,18 @@ class PagePool:
 
 
 class KVCache:
-    """Pages for every layer. Unquantized ("fp16") pages hold the model's compute dtype (f32 on CPU)."""
+    """Pages for every layer. Unquantized ("fp16") pages hold the model's compute dtype (f32 on CPU).
+    layer_devices: in a layer split, the device of each layer (its pages live with its weights); page numbers
+    and slots are the same on every device."""
 
     def __init__(self, config: ModelConfig, n_pages: int, page_size: int = 256, mode: str = "fp16",
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
+                 layer_devices: list[torch.device] | None = None):
         check_mode(mode, config)
         self.config, self.mode, self.page_size, self.dtype = config, mode, page_size, dtype
         self.device = torch.device(device)
+        self.layer_devices = [torch.device(d) for d in layer_devices] if layer_devices is not None \
+            else [self.device] * config.n_layers
         self.bits = CACHE_MODES[mode]
         self.pool = PagePool(n_pages)
         self._write = self._write_reference
@@ -82,20 +87,20 @@ class KVCache:
             attention.check_cache(self)
             self._write = kv_cache.writer(self.bits)
         slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim
-        self.layers = [self._layer(slots, hkv, dh) for _ in range(config.n_layers)]
+        self.layers = [self._layer(slots, hkv, dh, d) for d in self.layer_devices]
 
-    def _layer(self, slots: int, hkv: int, dh: int) -> LayerCache:
+    def _layer(self, slots: int, hkv: int, dh: int, device: torch.device) -> LayerCache:
         if self.bits is None:
             def kv():
-                return torch.zeros(slots, hkv, dh, dtype=self.dtype, device=self.device)
+                return torch.zeros(slots, hkv, dh, dtype=self.dtype, device=device)
             return LayerCache(kv(), kv(), None, None)
         width = hkv * dh
 
         def codes(bits):
-            return torch.zeros(slots, width * bits // 8, dtype=torch.uint8, device=self.device)
+            return torch.zeros(slots, width * bits // 8, dtype=torch.uint8, device=device)
 
         def scales():
-            return torch.zeros(slots, width // reference.KV_GROUP, dtype=torch.float16, device=self.device)
+            return torch.zeros(slots, width // reference.KV_GROUP, dtype=torch.float16, device=device)
         return LayerCache(codes(self.bits[0]), codes(self.bits[1]), scales(), scales())
 
     @property

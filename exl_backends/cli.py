@@ -17,8 +17,23 @@ def _cmd_quickstart(args) -> None:
 
 def _load(args):
     from . import ExlForCausalLM
-    return ExlForCausalLM.from_pretrained(args.model, device=args.device, max_seq_len=args.max_seq_len,
-                                          cache_mode=args.cache_mode)
+    model = ExlForCausalLM.from_pretrained(args.model, device=args.device, max_seq_len=args.max_seq_len,
+                                           cache_mode=args.cache_mode, gpu_split=args.gpu_split,
+                                           tensor_parallel=args.tensor_parallel)
+    if model.placement is not None:
+        print(model.placement.describe(), file=sys.stderr)
+    return model
+
+
+def _gpu_split(text: str):
+    """'auto' or comma-separated GiB per GPU ('20,24')."""
+    if text == "auto":
+        return text
+    try:
+        return [float(g) for g in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpu-split takes 'auto' or GiB per GPU like 20,24; got {text!r}") \
+            from None
 
 
 def _sampling(args):
@@ -94,7 +109,8 @@ def _cmd_serve(args) -> None:
     serve(ServeOptions(Path(args.model), host=args.host, port=args.port, max_seq_len=args.max_seq_len,
                        cache_mode=args.cache_mode, draft_model=args.draft_model and Path(args.draft_model),
                        api_key=args.api_key, no_auth=args.no_auth, device=args.device,
-                       max_batch_size=args.max_batch_size, cache_tokens=args.cache_tokens, max_queue=args.max_queue))
+                       max_batch_size=args.max_batch_size, cache_tokens=args.cache_tokens, max_queue=args.max_queue,
+                       gpu_split=args.gpu_split, tensor_parallel=args.tensor_parallel))
 
 
 def _cmd_convert(args) -> None:
@@ -160,6 +176,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default 4096)")
     p.add_argument("--cache-mode", choices=["fp16", "q8", "q6", "q4"], default="fp16",
                    help="KV-cache storage: fp16, or quantized q8/q6/q4 for longer contexts in less memory")
+    gpus = p.add_mutually_exclusive_group()
+    gpus.add_argument("--gpu-split", type=_gpu_split, default=None, metavar="auto|GiB,GiB",
+                      help="layer split over several GPUs: 'auto' (balanced by free memory) or GiB per GPU")
+    gpus.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                      help="shard every layer over N GPUs, one process each (torchrun-compatible)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -61,7 +61,8 @@ class Generator:
         self.page_size = page_size or model.page_size
         graphs = cuda_graphs and model.device.type == "cuda"
         n_pages = -(-(cache_tokens or self.max_seq_len) // self.page_size) + graphs   # graphs take a trash page
-        self.cache = KVCache(self.config, n_pages, self.page_size, model.cache_mode, model.device, model.dtype)
+        self.cache = KVCache(self.config, n_pages, self.page_size, model.cache_mode, model.device, model.dtype,
+                             layer_devices=model.model.block_devices)
         self.runner = Runner(model.model, self.cache, max_batch_size, -(-self.max_seq_len // self.page_size),
                              eager=not graphs)       # before anything counts free pages: it takes one
         self.pages = PageManager(self.cache.pool, self.page_size)

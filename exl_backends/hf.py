@@ -21,6 +21,7 @@ from .cache import KVCache, check_mode
 from .config import ModelConfig
 from .errors import ConfigError, ContextLengthError
 from .model import Model
+from .placement import plan as plan_split
 
 
 @dataclass
@@ -49,28 +50,52 @@ class ExlForCausalLM:
         self.config = hf_config(path, model.config.raw)             # transformers' PretrainedConfig
         self.generation_config = load_generation_config(path, self.config)
         self.max_seq_len, self.cache_mode = max_seq_len, cache_mode
+        self.placement = None           # a layer split's placement.Placement (which device holds which layers)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
+    def from_pretrained(cls, path: str | Path, device: str | torch.device | list | None = None,
                         max_seq_len: int | None = None, cache_mode: str = "fp16",
-                        dtype: torch.dtype | str | None = None, **hf_kwargs) -> "ExlForCausalLM":
+                        dtype: torch.dtype | str | None = None, gpu_split: str | list[float] | None = None,
+                        tensor_parallel: int | None = None, **hf_kwargs) -> "ExlForCausalLM":
         """Loads a model directory (fp16/bf16/fp32, EXL2 or GPTQ safetensors). transformers' spellings are
         accepted too: torch_dtype= (for dtype), device_map= (one device: "auto", "cuda:0", {"": 0}); and
-        local_files_only= / trust_remote_code=, which change nothing (nothing is downloaded, no code is run)."""
+        local_files_only= / trust_remote_code=, which change nothing (nothing is downloaded, no code is run).
+
+        Several GPUs: gpu_split="auto" (or GiB per GPU, e.g. [20, 24]) places the layers in order over the visible
+        GPUs, planned against their free memory (device: the list of devices to split over, default every visible
+        GPU); tensor_parallel=N shards every layer over N processes, one per GPU (parallel.py; under torchrun,
+        ranks other than 0 serve rank 0's forward calls inside this call and then exit)."""
+        if tensor_parallel is not None and tensor_parallel > 1:
+            if gpu_split is not None:
+                raise ConfigError("choose gpu_split or tensor_parallel, not both")
+            from . import parallel
+            return parallel.from_pretrained(cls, path, tensor_parallel, device, max_seq_len, cache_mode, dtype,
+                                            **hf_kwargs)
+        devices = None
+        if gpu_split is not None and isinstance(device, (list, tuple)):
+            devices, device = [torch.device(d) for d in device], device[0]
+        elif isinstance(device, (list, tuple)):
+            raise ConfigError("a list of devices needs gpu_split ('auto' or GiB per device)")
         device, dtype = _hf_loading_arguments(device, dtype, hf_kwargs)
         path = Path(path)
         config = ModelConfig.from_dir(path)
         check_mode(cache_mode, config)
         checkpoint = formats.open_checkpoint(path)      # refuses AWQ, GGUF, FP8, EXL3, ... with what to do
         dtype = dtype or default_dtype(device)
-        if device.type == "cuda":                       # before anything is allocated
+        placement = None
+        if gpu_split is not None:                       # before anything is allocated
+            placement = plan_split(checkpoint, config, gpu_split, devices, max_seq_len, cache_mode, dtype)
+            max_seq_len, device = placement.tokens, placement.devices[0]
+        elif device.type == "cuda":
             max_seq_len = planner.fit_context(checkpoint, config, max_seq_len, cache_mode,
                                               planner.free_memory(device), str(device), dtype)
         max_seq_len = max_seq_len or config.max_position_embeddings
         if max_seq_len <= 0:
             raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
-        model = Model.load(path, config, device, dtype)
-        return cls(model, load_tokenizer(path), path, max_seq_len, cache_mode)
+        model = Model.load(path, config, device, dtype, None if placement is None else placement.stages())
+        loaded = cls(model, load_tokenizer(path), path, max_seq_len, cache_mode)
+        loaded.placement = placement
+        return loaded
 
     @property
     def device(self) -> torch.device:
@@ -101,7 +126,8 @@ class ExlForCausalLM:
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with room for max_tokens tokens (rounded up to whole pages)."""
         n_pages = -(-max_tokens // self.page_size)
-        return KVCache(self.exl_config, n_pages, self.page_size, self.cache_mode, self.device, self.dtype)
+        return KVCache(self.exl_config, n_pages, self.page_size, self.cache_mode, self.device, self.dtype,
+                       layer_devices=self.model.block_devices)
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> CausalLMOutput:
         """Full forward of [batch, seq] ids (left or right padding marked by attention_mask = 0):

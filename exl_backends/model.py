@@ -1,7 +1,8 @@
 """The decoder: embed -> blocks -> norm -> head. One class for every architecture; traits decide the rest."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -59,56 +60,117 @@ def _token_seq_lens(batch: Batch) -> Tensor:
     return batch.seq_lens[torch.searchsorted(batch.cu_seqlens[1:], rows, right=True)]
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A run of consecutive blocks on one device (a layer split has one stage per device)."""
+    device: torch.device
+    layers: range
+
+
+def on_device(device: torch.device):
+    """Makes device current: kernels launch on the current device's stream (the CPU needs nothing)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def batch_on(batch: Batch, device: torch.device) -> Batch:
+    """The batch's index tensors on another device (a layer split's stages each read them)."""
+    if batch.input_ids.device == device:
+        return batch
+    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+             if isinstance(getattr(batch, f.name), Tensor)}
+    return replace(batch, **moved)
+
+
 class Model:
     def __init__(self, config: ModelConfig, embed: Tensor, blocks: list[Block], norm: Tensor,
-                 lm_head: Linear | QuantLinear, device: torch.device, dtype: torch.dtype):
+                 lm_head: Linear | QuantLinear, device: torch.device, dtype: torch.dtype,
+                 stages: list[Stage] | None = None):
+        """device: where the embedding is (and every block, unless stages place them: a layer split, stages[0]
+        on device, the norm and lm_head on the last stage's device)."""
         self.config, self.embed, self.blocks, self.norm, self.lm_head = config, embed, blocks, norm, lm_head
         self.device, self.dtype = device, dtype
-        self.ops = ops_for(device)
+        self.stages = list(stages) if stages is not None else [Stage(device, range(len(blocks)))]
+        self.block_devices = [s.device for s in self.stages for _ in s.layers]     # the device of each block
+        self.output_device = self.stages[-1].device
+        self.ops = ops_for(device)              # one bundle: a split runs on one kind of device
         check_ops(config, self.ops, device)
         self.rope = Rope(config.rope, config.head_dim, device)
         self.local_rope = None if config.local_rope is None else Rope(config.local_rope, config.head_dim, device)
+        self.stage_ropes = {s.device: self._ropes(s.device) for s in self.stages}
         # Gemma: sqrt(hidden_size), rounded to the compute dtype as transformers rounds it
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device) \
             if config.traits.scale_embeddings else None
+        # the norm after block i (the next block's input norm, or the final one), on block i's device
+        self.next_norms = [(blocks[i + 1].input_norm if i + 1 < len(blocks) else norm).to(d)
+                           for i, d in enumerate(self.block_devices)]
+
+    def _ropes(self, device: torch.device) -> tuple[Rope, Rope | None]:
+        if device == self.device:
+            return self.rope, self.local_rope
+        c = self.config
+        return Rope(c.rope, c.head_dim, device), None if c.local_rope is None else Rope(c.local_rope, c.head_dim, device)
+
+    @property
+    def can_capture_graphs(self) -> bool:
+        """One CUDA graph captures one device's work: a layer split runs its decode steps eagerly."""
+        return len(self.stages) == 1
 
     @classmethod
     def load(cls, path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
-             dtype: torch.dtype = torch.float32) -> "Model":
+             dtype: torch.dtype = torch.float32, stages: list[Stage] | None = None) -> "Model":
+        """stages: a layer split, each stage's layers on its device (placement.plan makes them)."""
         config = config or ModelConfig.from_dir(path)
         ckpt = formats.open_checkpoint(path)
         device = torch.device(device)
+        stages = stages or [Stage(device, range(config.n_layers))]
+        if [i for s in stages for i in s.layers] != list(range(config.n_layers)) or stages[0].device != device:
+            raise ValueError(f"stages must cover layers 0-{config.n_layers - 1} in order, the first on {device}")
         check_ops(config, ops_for(device), device)         # before reading any weights
         validate(ckpt, config)
-        return cls(config, *_load_weights(ckpt, config, device, dtype), device, dtype)
+        weights = _load_weights(ckpt, config, [s.device for s in stages for _ in s.layers], dtype)
+        return cls(config, *weights, device, dtype, stages)
 
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """Runs the batch's tokens, writing their K/V into cache. Returns f32 logits [R, vocab] for
-        batch.logit_rows (every row when None)."""
+        batch.logit_rows (every row when None), on the last block's device."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        ropes = {False: self.rope.cos_sin(batch, ops, self.dtype)}
-        if self.local_rope is not None:
-            ropes[True] = self.local_rope.cos_sin(batch, ops, self.dtype)
-        residual = ops.embedding(batch.input_ids, self.embed)                      # [T, D]
-        if self.embed_scale is not None:
-            residual = residual * self.embed_scale
-        x = ops.rmsnorm(residual, self.blocks[0].input_norm, eps)
-        for i, block in enumerate(self.blocks):
-            a = block.attention(x, batch, cache, *ropes[block.local_rope], ops)
-            if block.attn_out_norm is not None:
-                a = ops.rmsnorm(a, block.attn_out_norm, eps)
-            x, residual = ops.add_rmsnorm(a, residual, block.post_attn_norm, eps)
-            m = block.mlp(x, ops)
-            if block.mlp_out_norm is not None:
-                m = ops.rmsnorm(m, block.mlp_out_norm, eps)
-            next_norm = self.blocks[i + 1].input_norm if i + 1 < len(self.blocks) else self.norm
-            x, residual = ops.add_rmsnorm(m, residual, next_norm, eps)
-        if batch.logit_rows is not None:
-            x = x[batch.logit_rows]
-        logits = self.lm_head(x).float()
-        if self.config.final_softcap is not None:
-            logits = ops.softcap(logits, self.config.final_softcap)
+        x = residual = None
+        for stage in self.stages:
+            with on_device(stage.device):
+                b = batch_on(batch, stage.device)
+                rope, local = self.stage_ropes[stage.device]
+                ropes = {False: rope.cos_sin(b, ops, self.dtype)}
+                if local is not None:
+                    ropes[True] = local.cos_sin(b, ops, self.dtype)
+                if x is None:
+                    residual = ops.embedding(b.input_ids, self.embed)                  # [T, D]
+                    if self.embed_scale is not None:
+                        residual = residual * self.embed_scale
+                    x = ops.rmsnorm(residual, self.blocks[0].input_norm, eps)
+                else:       # a device boundary: the residual stream (and its normed copy) moves on
+                    x, residual = x.to(stage.device), residual.to(stage.device)
+                for i in stage.layers:
+                    x, residual = self._block(i, x, residual, b, cache, ropes)
+        with on_device(self.output_device):
+            if b.logit_rows is not None:
+                x = x[b.logit_rows]
+            logits = self.lm_head(x).float()
+            if self.config.final_softcap is not None:
+                logits = ops.softcap(logits, self.config.final_softcap)
         return logits
+
+    def _block(self, i: int, x: Tensor, residual: Tensor, batch: Batch, cache: KVCache,
+               ropes: dict[bool, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Block i: returns (the next norm of the residual, the residual)."""
+        ops, eps, block = self.ops, self.config.rms_norm_eps, self.blocks[i]
+        a = block.attention(x, batch, cache, *ropes[block.local_rope], ops)
+        if block.attn_out_norm is not None:
+            a = ops.rmsnorm(a, block.attn_out_norm, eps)
+        x, residual = ops.add_rmsnorm(a, residual, block.post_attn_norm, eps)
+        m = block.mlp(x, ops)
+        if block.mlp_out_norm is not None:
+            m = ops.rmsnorm(m, block.mlp_out_norm, eps)
+        return ops.add_rmsnorm(m, residual, self.next_norms[i], eps)
 
 
 def missing_ops(config: ModelConfig, ops: Ops) -> list[str]:
@@ -254,16 +316,23 @@ class _Loader:
         return [Linear(w, b) for w, b in zip(layer.weight.split(sizes), biases)]
 
 
-def _load_weights(ckpt: formats.Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+def _load_weights(ckpt: formats.Checkpoint, config: ModelConfig, block_devices: list[torch.device],
+                  dtype: torch.dtype):
+    """embedding (on the first device), blocks (each on its device), final norm and lm_head (on the last)."""
     n, store = config.traits.names, ckpt.store
-    load = _Loader(ckpt, config, device, dtype)
-    blocks = [_load_block(load, config, i) for i in range(config.n_layers)]
-    embed = store.get(f"{n.embed}.weight").to(device, dtype)
-    if head_is_tied(store, config):
-        lm_head = Linear(embed)
-    else:
-        lm_head = formats.load_linear(ckpt, n.lm_head, config.hidden_size, config.vocab_size, False, device, dtype)
-    return embed, blocks, load.norm(f"{n.final_norm}.weight"), lm_head
+    first, last = block_devices[0], block_devices[-1]
+    blocks = []
+    for i, device in enumerate(block_devices):
+        with on_device(device):                 # the kernels' prepare() runs on the weights' device
+            blocks.append(_load_block(_Loader(ckpt, config, device, dtype), config, i))
+    embed = store.get(f"{n.embed}.weight").to(first, dtype)
+    with on_device(last):
+        if head_is_tied(store, config):
+            lm_head = Linear(embed.to(last))        # a copy when the head is on another device
+        else:
+            lm_head = formats.load_linear(ckpt, n.lm_head, config.hidden_size, config.vocab_size, False, last, dtype)
+        norm = _Loader(ckpt, config, last, dtype).norm(f"{n.final_norm}.weight")
+    return embed, blocks, norm, lm_head
 
 
 def _load_block(load: _Loader, config: ModelConfig, i: int) -> Block:

@@ -3,7 +3,8 @@
 A decode step (every sequence adds one token) has fixed shapes for a given batch size, so it is captured once
 per size of a ladder (1, 2, 4, 8, 16, 32, 64, ...) and replayed with the step's inputs copied into the graph's
 static tensors; a batch is padded up to the next size. Padding rows write their K/V into a reserved page that no
-sequence owns. Python and launch overhead thus leave the per-token path. `eager=True` turns graphs off (debug)."""
+sequence owns. Python and launch overhead thus leave the per-token path. `eager=True` turns graphs off (debug);
+a model that cannot be captured as one graph (a layer split over several GPUs) runs eagerly."""
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,7 @@ class Runner:
 
     def __init__(self, model: Model, cache: KVCache, max_batch: int, max_pages: int, eager: bool = False):
         self.model, self.cache, self.max_pages = model, cache, max_pages
-        self.use_graphs = model.device.type == "cuda" and not eager
+        self.use_graphs = model.device.type == "cuda" and not eager and model.can_capture_graphs
         self.graphs: dict[int, DecodeGraph] = {}
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
         if self.use_graphs:

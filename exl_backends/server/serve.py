@@ -31,6 +31,8 @@ class ServeOptions:
     max_batch_size: int = 32
     cache_tokens: int | None = None
     max_queue: int | None = None    # jobs queued or running; default 4 x max_batch_size
+    gpu_split: str | list[float] | None = None      # layer split over GPUs ("auto" or GiB per GPU)
+    tensor_parallel: int | None = None              # shard over N GPUs, one process each
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -71,7 +73,8 @@ def serve(o: ServeOptions) -> None:
     key = None if o.no_auth else auth.ApiKey(o.api_key) if o.api_key else auth.load_or_create()
     sock = listen(o.host, o.port)
     model = ExlForCausalLM.from_pretrained(o.model, device=o.device, max_seq_len=o.max_seq_len,
-                                           cache_mode=o.cache_mode)
+                                           cache_mode=o.cache_mode, gpu_split=o.gpu_split,
+                                           tensor_parallel=o.tensor_parallel)
     draft = None
     if o.draft_model is not None:
         draft = ExlForCausalLM.from_pretrained(o.draft_model, device=model.device, max_seq_len=model.max_seq_len,

@@ -1,0 +1,154 @@
+"""Multi-GPU decode and prefill: one GPU vs a layer split over two vs tensor parallel over two, on a synthetic
+EXL2 model (random codes in the real layout, 4.0 bpw body, 6-bit head). Needs 2 GPUs.
+
+Bounds at batch 1: a layer split reads every weight once per token, one GPU at a time, so its bound is one GPU's
+bandwidth; tensor parallel reads half the weights on each GPU at once, so its bound is two GPUs' bandwidth (minus
+two all-reduces per layer and a logits all-gather per token).
+
+    python benchmarks/bench_multi_gpu.py [--shape llama-3-8b] [--context 256] [--prefill 4096]
+
+It writes the EXL2 directory once (to --dir, default /tmp/exl-bench-<shape>) so that every engine loads the same
+file (packing on the CPU takes minutes for 8B, much longer for 70B), and runs tensor parallel through
+ExlForCausalLM.from_pretrained(tensor_parallel=2). Every engine decodes eagerly here (split and TP cannot replay
+one CUDA graph yet), so the single-GPU row is its eager speed, not `exl bench`'s graph replay."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES  # noqa: E402
+
+from exl_backends import ExlForCausalLM  # noqa: E402
+from exl_backends.batch import Batch, SeqChunk  # noqa: E402
+from exl_backends.bench import copy_bandwidth, fill_cache  # noqa: E402
+from exl_backends.formats.exl2_writer import linear_tensors  # noqa: E402
+from exl_backends.formats.synthetic import random_exl2  # noqa: E402
+
+FIXTURES = Path(os.environ.get("EXL_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "exl2-ref"))
+TOKENIZER = FIXTURES / "hf" / "llama_tiny"
+
+
+def write_model(directory: Path, shape: str) -> None:
+    """An EXL2 checkpoint of the shape (4.0 bpw: 4-bit codes in 128-row groups; head 6-bit), act-order."""
+    if (directory / "config.json").is_file():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    s = SHAPES[shape]
+    d, heads, kv = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"]
+    hd, inter = d // heads, s["intermediate_size"]
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": (torch.randn(s["vocab_size"], d, generator=gen) * 0.02).half(),
+               "model.norm.weight": (1 + 0.05 * torch.randn(d, generator=gen)).half()}
+    shapes = {"self_attn.q_proj": (d, heads * hd), "self_attn.k_proj": (d, kv * hd), "self_attn.v_proj": (d, kv * hd),
+              "self_attn.o_proj": (heads * hd, d), "mlp.gate_proj": (d, inter), "mlp.up_proj": (d, inter),
+              "mlp.down_proj": (inter, d)}
+    for i in range(s["num_hidden_layers"]):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = (1 + 0.05 * torch.randn(d, generator=gen)).half()
+        for name, (k, n) in shapes.items():
+            w = random_exl2(k, n, "4b_128g", seed=i * 10 + len(tensors))
+            tensors.update(linear_tensors(f"model.layers.{i}.{name}", w))
+    if not s["tie_word_embeddings"]:
+        tensors.update(linear_tensors("lm_head", random_exl2(d, s["vocab_size"], "0.15:8b_128g/0.85:6b_128g")))
+    save_file(tensors, str(directory / "output.safetensors"))
+    config = dict(s, architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
+                  rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                  quantization_config={"quant_method": "exl2", "bits": 4.0, "head_bits": 6})
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((TOKENIZER / name).read_bytes())
+
+
+def sync() -> None:
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
+def decode_tok_s(lm: ExlForCausalLM, context: int, steps: int = 64) -> float:
+    """Batch-1 decode at a context (cache filled with random K/V), a host sync per token as generation does."""
+    ps = lm.page_size
+    n_pages = -(-(context + steps + 4) // ps)
+    cache = lm.new_cache(n_pages * ps)
+    fill_cache(cache)
+    pages = cache.pool.allocate(n_pages)
+    token = 1
+
+    def step(i):
+        return lm.model.forward(Batch.build([SeqChunk([token], context + i, pages)], ps, lm.device), cache)
+    for i in range(3):
+        token = int(step(i).argmax())
+    t0 = time.perf_counter()
+    for i in range(steps):
+        token = int(step(i).argmax())
+    return steps / (time.perf_counter() - t0)
+
+
+def prefill_tok_s(lm: ExlForCausalLM, n_tokens: int, chunk: int = 2048) -> float:
+    """One prompt of n_tokens in chunks of `chunk` (as the generator's step budget feeds it)."""
+    ps = lm.page_size
+    cache = lm.new_cache(n_tokens)
+    pages = cache.pool.allocate(-(-n_tokens // ps))
+    ids = torch.randint(0, lm.exl_config.vocab_size, (n_tokens,)).tolist()
+
+    def run():
+        for start in range(0, n_tokens, chunk):
+            lm.model.forward(Batch.build([SeqChunk(ids[start:start + chunk], start, pages)], ps, lm.device), cache)
+        sync()
+    run()
+    t0 = time.perf_counter()
+    run()
+    return n_tokens / (time.perf_counter() - t0)
+
+
+def weight_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--engines", default="single,split,tp2")
+    args = ap.parse_args()
+    directory = Path(args.dir or f"/tmp/exl-bench-{args.shape}")
+    write_model(directory, args.shape)
+    bw = copy_bandwidth(torch.device("cuda", 0))
+    nbytes = weight_bytes(directory)
+    seq = args.context + args.prefill + 128
+    load = {"single": dict(device="cuda:0"), "split": dict(gpu_split="auto"), "tp2": dict(tensor_parallel=2)}
+    bounds = {"single": bw / nbytes, "split": bw / nbytes, "tp2": 2 * bw / nbytes}
+    rows = []
+    for engine in args.engines.split(","):
+        lm = ExlForCausalLM.from_pretrained(directory, max_seq_len=seq, **load[engine])
+        if lm.placement is not None:
+            print(lm.placement.describe())
+        rows.append(dict(engine=engine, decode_tok_s=decode_tok_s(lm, args.context), decode_bound=bounds[engine],
+                         prefill_tok_s=prefill_tok_s(lm, args.prefill)))
+        if engine == "tp2":
+            lm.model.close()
+        del lm
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_multi_gpu.json").write_text(json.dumps(dict(shape=args.shape, copy_bw=bw, bytes=nbytes,
+                                                                     rows=rows), indent=1))
+    print(f"\n{args.shape}, {nbytes / 1e9:.2f} GB of weights; copy bandwidth {bw / 1e12:.2f} TB/s "
+          f"({torch.cuda.get_device_name(0)})")
+    print(f"{'engine':8} {'decode tok/s':>13} {'bound':>8} {'%':>5} {'prefill ' + str(args.prefill):>14}")
+    for r in rows:
+        print(f"{r['engine']:8} {r['decode_tok_s']:13.1f} {r['decode_bound']:8.1f} "
+              f"{100 * r['decode_tok_s'] / r['decode_bound']:5.1f} {r['prefill_tok_s']:14.1f}")
+
+
+if __name__ == "__main__":
+    main()
