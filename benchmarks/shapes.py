@@ -9,7 +9,8 @@ from exl_backends.formats.exl2 import Exl2Weight, padded
 from exl_backends.linear import QuantLinear
 from exl_backends.model import Block, Model
 from exl_backends.attention import Attention
-from exl_backends.mlp import Mlp
+from exl_backends.linear import Linear
+from exl_backends.mlp import Mlp, MoeMlp
 
 SHAPES = {   # Llama-3 family layer shapes
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -82,3 +83,45 @@ def synthetic_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_
     head = lin(d, config.vocab_size, head_mix)
     return Model(config, embed, blocks, norm(), head, torch.device(device), torch.float16)
 
+
+
+MOE_SHAPES = {   # Mixtral-8x7B: 8 experts of Llama-2-7B-like MLP width on a Mistral-7B body, 2 routed per token
+    "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False, num_local_experts=8,
+                         num_experts_per_tok=2, sliding_window=None),
+}
+
+
+def moe_config_for(shape: str, max_position_embeddings: int = 32768) -> ModelConfig:
+    raw = dict(MOE_SHAPES[shape], architectures=["MixtralForCausalLM"], rms_norm_eps=1e-5, rope_theta=1e6,
+               max_position_embeddings=max_position_embeddings)
+    return ModelConfig.from_dict(raw)
+
+
+def synthetic_moe_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_MIX, seed: int = 0,
+                        n_layers: int | None = None) -> Model:
+    """A Mixtral-shape model in the real EXL2 layout (every expert w1/w3/w2 quantized, the router fp16 as EXL2
+    files keep it); n_layers: fewer layers than the shape has (for a quicker run; bytes scale with it)."""
+    config = moe_config_for(shape)
+    if n_layers is not None:
+        config = ModelConfig.from_dict(dict(config.raw, num_hidden_layers=n_layers))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    d, hd, moe = config.hidden_size, config.head_dim, config.moe
+
+    def lin(k, n, mix=body_mix):
+        return QuantLinear(random_exl2(k, n, mix, device, gen))
+
+    def norm():
+        return (1 + 0.05 * torch.randn(d, device=device, generator=gen)).half()
+    blocks = []
+    for i in range(config.n_layers):
+        attn = Attention(i, lin(d, config.n_heads * hd), lin(d, config.n_kv_heads * hd),
+                         lin(d, config.n_kv_heads * hd), lin(config.n_heads * hd, d),
+                         config.n_heads, config.n_kv_heads, hd)
+        experts = [Mlp(lin(d, moe.intermediate_size), lin(d, moe.intermediate_size), lin(moe.intermediate_size, d))
+                   for _ in range(moe.n_experts)]
+        router = Linear((torch.randn(moe.n_experts, d, device=device, generator=gen) * 0.02).half())
+        blocks.append(Block(norm(), attn, norm(), MoeMlp(router, experts, moe.top_k, moe.renormalize)))
+    embed = (torch.randn(config.vocab_size, d, device=device, generator=gen) * 0.02).half()
+    head = lin(d, config.vocab_size, head_mix)
+    return Model(config, embed, blocks, norm(), head, torch.device(device), torch.float16)

@@ -1,6 +1,7 @@
 """The MLP half of a block: a gated MLP, down(act(gate(x)) * up(x)), or a routed mixture of such experts."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 from torch import Tensor
@@ -20,13 +21,32 @@ class Mlp:
         return self.down(ops.gated(self.activation)(*self.gate_up(x)))
 
 
+class Experts(Sequence):
+    """An MoE layer's experts as ops.moe takes them: experts[e](rows [t, D]) -> [t, D]. `kernel`: on CUDA with
+    quantized experts, their expert-indexed launches (kernels.moe.MoeKernel), which the CUDA op uses instead of
+    calling the experts one by one; None otherwise."""
+
+    def __init__(self, mlps: list[Mlp], ops: Ops, kernel):
+        self.mlps, self.ops, self.kernel = mlps, ops, kernel
+
+    def __getitem__(self, e: int):
+        return partial(self.mlps[e], ops=self.ops)
+
+    def __len__(self) -> int:
+        return len(self.mlps)
+
+
 class MoeMlp:
     """Mixtral / Qwen3-MoE: the router scores every expert per token; the top_k experts' outputs are summed,
     weighted by their softmax probabilities (rescaled to sum to 1 when renormalize)."""
 
     def __init__(self, router: Linear | QuantLinear, experts: list[Mlp], top_k: int, renormalize: bool):
         self.router, self.experts, self.top_k, self.renormalize = router, experts, top_k, renormalize
+        self.kernel = None
+        if getattr(experts[0].down, "kernel", None) is not None:     # quantized experts placed on CUDA
+            from .kernels import moe
+            self.kernel = moe.prepare(experts, experts[0].activation, top_k)
 
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
-        experts = [partial(e, ops=ops) for e in self.experts]
+        experts = Experts(self.experts, ops, self.kernel)
         return ops.moe(x, self.router(x), experts, self.top_k, self.renormalize)   # router(x): [T, E]

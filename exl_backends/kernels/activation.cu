@@ -1,9 +1,16 @@
-// SwiGLU's elementwise part, out = fp16(fp16(silu(gate)) * up), with the roundings of reference.silu_mul
-// (torch: silu in f32 rounded to fp16, then an fp16 multiply). exp is the fast-math one (a few f32 ulps), so the
-// result may differ from torch's in the last fp16 bit now and then.
+// Elementwise ops of the block, with the roundings of their references:
+//  - gated MLP activations, out = fp16(fp16(act(gate)) * up) (reference.silu_mul, reference.gelu_tanh_mul: torch
+//    computes act in f32, rounds it to fp16, then multiplies in fp16). act is silu (exp is the fast-math one, a few
+//    f32 ulps) or GELU with the tanh approximation (transformers' gelu_pytorch_tanh, torch's formula
+//    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), so a result may differ from torch's in the last fp16 bit
+//    now and then.
+//  - softcap, out = tanh(x / cap) * cap on f32 logits (reference.softcap; x * (1/cap) instead of x / cap: an f32
+//    ulp at most).
 //
 // gate, up, out: n fp16 elements (contiguous). grid ceil(n / (256 * VEC)), block 256: each thread handles VEC
-// consecutive elements; silu_mul_f16_vec8 moves 16-byte vectors (n % 8 == 0 and aligned, checked by the launcher).
+// consecutive elements; the _vec8 variants move 16-byte vectors (n % 8 == 0 and aligned, checked by the launcher).
+// softcap_f32: x, out n f32 elements, grid ceil(n / (256 * 4)), block 256, 4 elements per thread (16-byte vectors
+// when n % 4 == 0 and aligned: softcap_f32_vec4).
 #include <cuda_fp16.h>
 
 namespace {
@@ -13,9 +20,22 @@ struct __align__(2 * VEC) Pack {
     half h[VEC];
 };
 
-template <int VEC>
-__device__ __forceinline__ void silu_mul(const half* __restrict__ gate, const half* __restrict__ up,
-                                         half* __restrict__ out, long long n) {
+struct Silu {
+    __device__ __forceinline__ static float apply(float x) { return __fdiv_rn(x, __fadd_rn(1.f, __expf(-x))); }
+};
+
+struct GeluTanh {
+    __device__ __forceinline__ static float apply(float x) {
+        constexpr float BETA = 0.7978845608028654f;    // sqrt(2 / pi)
+        constexpr float KAPPA = 0.044715f;
+        const float inner = BETA * (x + KAPPA * (x * x * x));
+        return 0.5f * x * (1.f + tanhf(inner));
+    }
+};
+
+template <class Act, int VEC>
+__device__ __forceinline__ void gated(const half* __restrict__ gate, const half* __restrict__ up,
+                                      half* __restrict__ out, long long n) {
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
     const Pack<VEC> g = *reinterpret_cast<const Pack<VEC>*>(gate + i);
@@ -23,9 +43,8 @@ __device__ __forceinline__ void silu_mul(const half* __restrict__ gate, const ha
     Pack<VEC> y;
 #pragma unroll
     for (int j = 0; j < VEC; j++) {
-        const float x = __half2float(g.h[j]);
-        const half s = __float2half_rn(__fdiv_rn(x, __fadd_rn(1.f, __expf(-x))));
-        y.h[j] = __float2half_rn(__fmul_rn(__half2float(s), __half2float(u.h[j])));
+        const half a = __float2half_rn(Act::apply(__half2float(g.h[j])));
+        y.h[j] = __float2half_rn(__fmul_rn(__half2float(a), __half2float(u.h[j])));
     }
     *reinterpret_cast<Pack<VEC>*>(out + i) = y;
 }
@@ -34,10 +53,39 @@ __device__ __forceinline__ void silu_mul(const half* __restrict__ gate, const ha
 
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_f16_vec8(const half* gate, const half* up, half* out, long long n) {
-    silu_mul<8>(gate, up, out, n);
+    gated<Silu, 8>(gate, up, out, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_f16(const half* gate, const half* up, half* out, long long n) {
-    silu_mul<1>(gate, up, out, n);
+    gated<Silu, 1>(gate, up, out, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gelu_tanh_mul_f16_vec8(const half* gate, const half* up, half* out, long long n) {
+    gated<GeluTanh, 8>(gate, up, out, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gelu_tanh_mul_f16(const half* gate, const half* up, half* out, long long n) {
+    gated<GeluTanh, 1>(gate, up, out, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    softcap_f32_vec4(const float4* x, float4* out, long long n4, float cap) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const float inv = 1.f / cap;
+    float4 v = x[i];
+    v.x = tanhf(v.x * inv) * cap;
+    v.y = tanhf(v.y * inv) * cap;
+    v.z = tanhf(v.z * inv) * cap;
+    v.w = tanhf(v.w * inv) * cap;
+    out[i] = v;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    softcap_f32(const float* x, float* out, long long n, float cap) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = tanhf(x[i] * (1.f / cap)) * cap;
 }

@@ -1,10 +1,13 @@
 // Paged attention for single query rows (decode), split-K ("flash-decoding") in one launch, on the tensor cores.
 //
-// Row r belongs to sequence b = row_seq[r] (row_seq null: b = r, the decode batch), sits at positions[r] and sees the
-// keys 0 .. n_keys-1 with n_keys = min(seq_lens[b], positions[r] + 1) (causal). Key t lives in cache slot
-// block_tables[b][t / page_size] * page_size + t % page_size. The grid is fixed by (rows, n_splits): each row's keys
-// are cut on the device into splits of split_len = max(MIN_SPLIT, roundup(ceil(n_keys / n_splits), 32)) keys, so
-// nothing is read on the host and the launch can be captured in a CUDA graph; splits past the keys exit at once.
+// Row r belongs to sequence b = row_seq[r] (row_seq null: b = r, the decode batch), sits at p = positions[r] and sees
+// the keys t_first .. n_keys-1 with n_keys = min(seq_lens[b], p + 1) (causal) and, for a sliding window w > 0,
+// t_first = max(0, p - w + 1) (key t visible iff p - w < t <= p, as reference.attention), else 0. Key t lives in
+// cache slot block_tables[b][t / page_size] * page_size + t % page_size. The row's keys are read from
+// t_lo = t_first rounded down to 32 on: pages wholly before the window are never read, and the few keys of the
+// first tile below t_first are masked. The grid is fixed by (rows, n_splits): each row's range [t_lo, n_keys) is
+// cut on the device into splits of split_len = max(MIN_SPLIT, roundup(ceil((n_keys - t_lo) / n_splits), 32)) keys,
+// so nothing is read on the host and the launch can be captured in a CUDA graph; splits past the keys exit at once.
 // A row whose keys fit one split is finished by its one block. Otherwise each block writes its partial softmax
 // state (max, sum, unnormalised sum of V) and the last block of the row to finish (an atomic counter per (row, head
 // block), reset by that block) merges the partials and writes the output: no second launch.
@@ -30,7 +33,9 @@
 // are the rotated queries and P; the reference rounds the dequantized K/V to fp16 instead: both differ from exact
 // f32 arithmetic by a few fp16 roundings. fp16 K takes the fp16 queries as they are (exact).
 //
-// Scores are kept in the log2 domain (multiplied by scale * log2(e)) so the softmax uses exp2.
+// Scores are kept in the log2 domain (multiplied by scale * log2(e)) so the softmax uses exp2. With an attention logit
+// soft-cap c (Gemma 2), a score s becomes c * tanh(s * scale / c) (then times log2(e)) before the mask, as
+// reference.attention does: cap_in = scale / c and cap_out = c * log2(e) (cap_out 0: no soft-cap).
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -102,6 +107,9 @@ __device__ __forceinline__ unsigned code_pair(unsigned w, int sel, half2 scale) 
     return exl::as_bits(__hmul2(__hsub2(exl::as_half2(h), offset), scale));
 }
 
+// The widest load (16, 8 or 4 bytes) that a lane's share of `bytes` is made of (head_dim 96: 48 and 24 bytes).
+__host__ __device__ constexpr int piece(int bytes) { return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : 4; }
+
 // Compile-time shape of one (head_dim, K bits, V bits, keys per warp tile) variant.
 template <int DH, int K_BITS, int V_BITS, int KT_>
 struct Shape {
@@ -110,13 +118,13 @@ struct Shape {
     static constexpr int M_TILES = KT / 16;         // 16-key m tiles of S = k steps of O^T
     static constexpr int K_ROWS = KT / 8;           // key rows per lane: 8r + g
     static constexpr int K_BYTES = DH * K_BITS / 32;            // a lane's quarter of a key row
-    static constexpr int K_PIECE = K_BYTES < 16 ? K_BYTES : 16;
+    static constexpr int K_PIECE = piece(K_BYTES);
     static constexpr int K_PIECES = K_BYTES / K_PIECE;
     static constexpr int K_WORDS = K_BYTES / 4;
     static constexpr int K_PIECE_ELEMS = K_PIECE * 8 / K_BITS;
     static constexpr int V_KEYS = KT / 4;           // value rows per lane: 4 per 16-key step
     static constexpr int V_BYTES = DH * V_BITS / 64;            // a lane's eighth of a value row
-    static constexpr int V_PIECE = V_BYTES < 16 ? V_BYTES : 16;
+    static constexpr int V_PIECE = piece(V_BYTES);
     static constexpr int V_PIECES = V_BYTES / V_PIECE;
     static constexpr int V_WORDS = V_BYTES / 4;
     static constexpr int V_PIECE_ELEMS = V_PIECE * 8 / V_BITS;
@@ -245,8 +253,8 @@ struct State {
 template <int DH, int K_BITS, int V_BITS, int KT>
 __device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>& st,
                                             const Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile,
-                                            const unsigned (&qb)[DH / 16][2], half* p_w, int t0, int t_end,
-                                            float scale_log2, int lane) {
+                                            const unsigned (&qb)[DH / 16][2], half* p_w, int t0, int t_first,
+                                            int t_end, float scale_log2, float cap_in, float cap_out, int lane) {
     using S = Shape<DH, K_BITS, V_BITS, KT>;
     const int g = lane >> 2, qd = lane & 3;
     float sc[S::M_TILES][4];
@@ -266,14 +274,15 @@ __device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>
     for (int mt = 0; mt < S::M_TILES; mt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const bool valid = t0 + 16 * mt + 8 * (e >> 1) + g < t_end;
-            sc[mt][e] = valid ? sc[mt][e] * scale_log2 : neg_inf();
+            const int t = t0 + 16 * mt + 8 * (e >> 1) + g;
+            const float s = cap_out != 0.f ? tanhf(sc[mt][e] * cap_in) * cap_out : sc[mt][e] * scale_log2;
+            sc[mt][e] = t >= t_first && t < t_end ? s : neg_inf();
             tile_max[e & 1] = fmaxf(tile_max[e & 1], sc[mt][e]);
         }
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const float m_new = fmaxf(st.m[h], column_max(tile_max[h]));   // finite: the tile has a valid key
+        const float m_new = fmaxf(st.m[h], column_max(tile_max[h]));   // finite: every tile has a visible key
         alpha[h] = exp2f(st.m[h] - m_new);                              // 0 on the first tile (m = -inf)
         st.m[h] = m_new;
         st.l[h] *= alpha[h];
@@ -327,14 +336,16 @@ __device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l,
 // paged_decode<DH, K_BITS, V_BITS>: grid (n_splits, n_kv_heads * head_blocks, rows), block 256 (8 warps).
 // head_blocks = ceil(G / 8). part_acc [rows, n_heads, n_splits, DH] f32 and part_ml [rows, n_heads, n_splits]
 // (max, sum) hold the partial states of rows with several splits (null when n_splits is 1); counters
-// [rows * n_kv_heads * head_blocks] int32 must be zero before the launch and are zero after it.
+// [rows * n_kv_heads * head_blocks] int32 must be zero before the launch and are zero after it. window: the sliding
+// window (0: none); cap_in, cap_out: the soft-cap (cap_out 0: none), see the top of the file.
 template <int DH, int K_BITS, int V_BITS, int KT>
 __device__ __forceinline__ void paged_decode(
     const half* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     const half* __restrict__ k_scales, const half* __restrict__ v_scales, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const long long* __restrict__ positions, const int* __restrict__ row_seq,
     half* __restrict__ out, float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
-    int n_heads, int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2) {
+    int n_heads, int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window,
+    float cap_in, float cap_out) {
     using S = Shape<DH, K_BITS, V_BITS, KT>;
     constexpr bool ROTATED = V_BITS != 16;
     constexpr int Q_PER_THREAD = (HEADS * DH + THREADS - 1) / THREADS;
@@ -380,16 +391,21 @@ __device__ __forceinline__ void paged_decode(
         }
     }
     const int seq = row_seq ? row_seq[row] : row;
-    const int n_keys = (int)min((long long)seq_lens[seq], positions[row] + 1);
-    if (n_keys <= 0) {   // no keys: zeros
+    const long long pos = positions[row];
+    const int n_keys = (int)min((long long)seq_lens[seq], pos + 1);
+    const int t_first = window > 0 ? (int)max(0ll, pos - window + 1) : 0;
+    if (n_keys <= t_first) {   // no keys: zeros
         if (split == 0)
             for (int e = tid; e < n_g * DH; e += THREADS)
                 out[((size_t)row * n_heads + head0) * DH + e] = __float2half(0.f);
         return;
     }
-    const int split_len = split_length(n_keys, n_splits);
-    const int n_used = (n_keys + split_len - 1) / split_len;
-    const int t_begin = split * split_len;
+    // the first tile holds t_first (t_first - t_lo < 32 <= KT), and every later tile starts at or after it, so each
+    // tile a warp attends has a visible key
+    const int t_lo = t_first & ~(ALIGN - 1);
+    const int split_len = split_length(n_keys - t_lo, n_splits);
+    const int n_used = (n_keys - t_lo + split_len - 1) / split_len;
+    const int t_begin = t_lo + split * split_len;
     if (t_begin >= n_keys) return;
     const int t_end = min(t_begin + split_len, n_keys);
 
@@ -436,7 +452,8 @@ __device__ __forceinline__ void paged_decode(
 #pragma unroll
         for (int e = 0; e < 4; e++) st.acc[t][e] = 0.f;
     while (t0 < t_end) {
-        attend_tile<DH, K_BITS, V_BITS, KT>(st, tile, qb, smem.p[warp], t0, t_end, scale_log2, lane);
+        attend_tile<DH, K_BITS, V_BITS, KT>(st, tile, qb, smem.p[warp], t0, t_first, t_end, scale_log2, cap_in,
+                                            cap_out, lane);
         t0 += WARPS * S::KT;
         if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
     }
@@ -547,15 +564,17 @@ __device__ __forceinline__ void paged_decode(
         const half* q, const unsigned char* k_cache, const unsigned char* v_cache, const half* k_scales,        \
         const half* v_scales, const int* block_tables, const int* seq_lens, const long long* positions,         \
         const int* row_seq, half* out, float* part_acc, float2* part_ml, int* counters, int n_heads,            \
-        int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2) {                         \
+        int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window, float cap_in, \
+        float cap_out) {                                                                                        \
         paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,           \
                                      positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv_heads,  \
-                                     max_pages, page_size, n_splits, scale_log2);                                \
+                                     max_pages, page_size, n_splits, scale_log2, window, cap_in, cap_out);       \
     }
 
 PAGED_DECODE(fp16, 16, 16, 16, 32, 2)
 PAGED_DECODE(fp16, 32, 16, 16, 32, 2)
 PAGED_DECODE(fp16, 64, 16, 16, 32, 1)
+PAGED_DECODE(fp16, 96, 16, 16, 32, 1)
 PAGED_DECODE(fp16, 128, 16, 16, 32, 1)
 PAGED_DECODE(q8, 64, 8, 8, 32, 2)
 PAGED_DECODE(q8, 128, 8, 8, 32, 1)

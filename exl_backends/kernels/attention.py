@@ -1,5 +1,8 @@
 """Paged attention on CUDA (ops.paged_attention): the split-K decode kernels of attention.cu for query rows that are
-alone (or nearly) in their sequence, and torch's scaled_dot_product_attention over gathered fp16 K/V for prompts.
+alone (or nearly) in their sequence, and torch's scaled_dot_product_attention over gathered fp16 K/V for prompts
+(with an attention-logit soft-cap, which SDPA lacks: plain torch matmuls and softmax in f32, in query chunks).
+Both take the sliding window and the soft-cap of reference.paged_attention; with a window, neither reads the pages
+of keys that no query of the pass can see.
 
 Decode batches (one new token per sequence, the case captured in a CUDA graph) go to the decode kernel with no host
 reads: the grid depends only on the batch size and the block table's width. Mixed batches (eager) read the
@@ -21,12 +24,13 @@ LOG2E = 1.4426950408889634      # the kernel's softmax works in base 2
 THREADS = 256                   # attention.cu: 8 warps per block
 HEADS_PER_BLOCK = 8             # query heads per block (the mma's n); larger groups span blocks
 PAGE_ALIGN = 32                 # a 32-key tile of the kernel must not cross a page
-HEAD_DIMS = {"fp16": (16, 32, 64, 128), "q8": (64, 128), "q6": (64, 128), "q4": (64, 128)}
+HEAD_DIMS = {"fp16": (16, 32, 64, 96, 128), "q8": (64, 128), "q6": (64, 128), "q4": (64, 128)}
 REGISTERS_PER_SM = 65536
 MIN_SPLIT_KEYS = 256            # attention.cu's MIN_SPLIT: no more splits than a full block table fills
 COUNTERS = 4096                 # initial size of the per-device split counters (grown on demand)
 ROW_KERNEL_MAX_NEW = 8          # mixed batches: sequences with at most this many new tokens use the decode kernel
 QUERY_CHUNK = 4096              # prefill: query rows per scaled_dot_product_attention call
+SOFTCAP_SCORES = 1 << 26        # prefill with a soft-cap: f32 scores materialised per chunk (256 MB)
 
 DECODE_KERNELS = {(mode, dh): f"paged_decode_{mode}_d{dh}" for mode, dims in HEAD_DIMS.items() for dh in dims}
 
@@ -45,17 +49,19 @@ def check_cache(cache) -> None:
                           f"attention kernels need")
 
 
-def paged_attention(q: Tensor, cache, layer: int, batch, scale: float) -> Tensor:
-    """q [T, H, Dh] fp16 of a packed batch -> [T, H, Dh] fp16, as reference.paged_attention."""
+def paged_attention(q: Tensor, cache, layer: int, batch, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> Tensor:
+    """q [T, H, Dh] fp16 of a packed batch -> [T, H, Dh] fp16, as reference.paged_attention (window: keys
+    p - window < t <= p only; softcap: scores capped to softcap * tanh(score / softcap))."""
     if batch.page_size % PAGE_ALIGN:
         raise ValueError(f"page_size {batch.page_size} is not a multiple of {PAGE_ALIGN}")
     if q.shape[0] == batch.n_seqs:     # every sequence has (at least, so exactly) one new token: decode
-        return split_k(q, cache, layer, batch, batch.positions, None, scale)
-    return _mixed(q, cache, layer, batch, scale)
+        return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap)
+    return _mixed(q, cache, layer, batch, scale, window, softcap)
 
 
 def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Tensor | None,
-            scale: float) -> Tensor:
+            scale: float, window: int | None = None, softcap: float | None = None) -> Tensor:
     """Attention of single query rows: q [R, H, Dh] at positions [R] (int64), row r of sequence row_seq[r]
     (int32 [R]; None: r). One launch, no host reads, so CUDA-graph safe."""
     q = q.contiguous()
@@ -66,7 +72,10 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
     head_blocks = -(-(n_heads // n_kv) // HEADS_PER_BLOCK)
     max_pages = batch.block_tables.shape[1]
     kernel = DECODE_KERNELS[cache.mode, head_dim]
-    n_splits = _n_splits(kernel, rows * n_kv * head_blocks, max_pages * batch.page_size, q.device)
+    max_keys = max_pages * batch.page_size
+    if window is not None:      # a row reads at most its window, from a 32-aligned start
+        max_keys = min(max_keys, window + PAGE_ALIGN)
+    n_splits = _n_splits(kernel, rows * n_kv * head_blocks, max_keys, q.device)
     out = torch.empty_like(q)
     part_acc = part_ml = counters = None
     if n_splits > 1:   # rows whose keys need several splits merge them in the kernel's last block
@@ -79,7 +88,8 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
                block=(THREADS,),
                args=(q, c.k, c.v, c.k_scales, c.v_scales, batch.block_tables, batch.seq_lens,
                      positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv, max_pages,
-                     batch.page_size, n_splits, scale * LOG2E))
+                     batch.page_size, n_splits, scale * LOG2E, window or 0,
+                     scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0))
     return out
 
 
@@ -115,7 +125,7 @@ def _counters(device: torch.device, size: int) -> Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
-def _mixed(q: Tensor, cache, layer: int, batch, scale: float) -> Tensor:
+def _mixed(q: Tensor, cache, layer: int, batch, scale: float, window: int | None, softcap: float | None) -> Tensor:
     host = torch.cat((batch.cu_seqlens, batch.seq_lens)).tolist()     # eager path: one host read per call
     cu, n_keys = host[:batch.n_seqs + 1], host[batch.n_seqs + 1:]
     n_new = [cu[b + 1] - cu[b] for b in range(batch.n_seqs)]
@@ -124,33 +134,66 @@ def _mixed(q: Tensor, cache, layer: int, batch, scale: float) -> Tensor:
     if short:
         rows = torch.tensor([r for b in short for r in range(cu[b], cu[b + 1])], device=q.device)
         row_seq = torch.tensor([b for b in short for _ in range(n_new[b])], dtype=torch.int32, device=q.device)
-        out[rows] = split_k(q[rows], cache, layer, batch, batch.positions[rows], row_seq, scale)
+        out[rows] = split_k(q[rows], cache, layer, batch, batch.positions[rows], row_seq, scale, window, softcap)
     for b in range(batch.n_seqs):
         if n_new[b] > ROW_KERNEL_MAX_NEW:
-            out[cu[b]:cu[b + 1]] = _prefill(q[cu[b]:cu[b + 1]], cache, layer, batch, b, n_keys[b], scale)
+            out[cu[b]:cu[b + 1]] = _prefill(q[cu[b]:cu[b + 1]], cache, layer, batch, b, n_keys[b], scale, window,
+                                            softcap)
     return out
 
 
-def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: float) -> Tensor:
+def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: float, window: int | None,
+             softcap: float | None) -> Tensor:
     """q [n, H, Dh]: the new tokens of sequence b, at positions n_keys-n .. n_keys-1 (Batch.build's layout).
-    Gathers the sequence's K/V (dequantized) into fp16 scratch [n_keys, Hkv, Dh] and runs SDPA with the causal mask
-    aligned bottom-right (queries see their cached prefix), QUERY_CHUNK query rows at a time."""
+    Gathers the sequence's K/V (dequantized) into fp16 scratch and runs attention over it QUERY_CHUNK query rows at a
+    time, each chunk over the keys it can see: all keys up to its last query (the causal mask aligned bottom-right,
+    so queries see their cached prefix), from the first key in its first query's window on."""
     n = q.shape[0]
+    first = n_keys - n                                  # position of q[0]
+    k0 = 0 if window is None else max(0, first - window + 1)
     ps = batch.page_size
-    pos = torch.arange(n_keys, device=q.device)
+    pos = torch.arange(k0, n_keys, device=q.device)
     slots = batch.block_tables[b].long()[pos // ps] * ps + pos % ps
-    k, v = kv_cache.read(cache, layer, slots)
+    k, v = kv_cache.read(cache, layer, slots)                               # [n_keys - k0, Hkv, Dh]
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))         # [1, heads, len, Dh]
     out = torch.empty_like(q)
-    first = n_keys - n
-    for a in range(0, n, QUERY_CHUNK):
-        e = min(a + QUERY_CHUNK, n)
-        keys = first + e
-        if keys == e - a:
-            mask, causal = None, True
+    chunk = QUERY_CHUNK if softcap is None else max(1, min(QUERY_CHUNK, SOFTCAP_SCORES // (q.shape[1] * k.shape[0])))
+    for a in range(0, n, chunk):
+        e = min(a + chunk, n)
+        lo = 0 if window is None else max(k0, first + a - window + 1) - k0     # the chunk's keys: [lo, hi)
+        hi = first + e - k0
+        qc, kc, vc = qh[:, :, a:e], kh[:, :, lo:hi], vh[:, :, lo:hi]
+        if window is None and softcap is None:
+            mask = None if hi - lo == e - a else causal_lower_right(e - a, hi - lo)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)
         else:
-            mask, causal = causal_lower_right(e - a, keys), False
-        o = F.scaled_dot_product_attention(qh[:, :, a:e], kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask,
-                                           is_causal=causal, scale=scale, enable_gqa=True)
+            visible = _visible(first + a, e - a, k0 + lo, hi - lo, window, q.device)
+            o = _softcapped(qc, kc, vc, visible, scale, softcap) if softcap is not None else \
+                F.scaled_dot_product_attention(qc, kc, vc, attn_mask=visible, scale=scale, enable_gqa=True)
         out[a:e] = o[0].transpose(0, 1)
     return out
+
+
+def _visible(q0: int, n_q: int, t0: int, n_k: int, window: int | None, device: torch.device) -> Tensor:
+    """bool [n_q, n_k]: whether query at position q0 + i sees key t0 + j (causal, and within the window)."""
+    p = torch.arange(q0, q0 + n_q, device=device)[:, None]
+    t = torch.arange(t0, t0 + n_k, device=device)[None, :]
+    visible = t <= p
+    if window is not None:
+        visible &= t > p - window
+    return visible
+
+
+def _softcapped(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention with soft-capped scores, reference.attention's arithmetic (f32): q [1, H, n_q, Dh] fp16, k, v
+    [1, Hkv, n_k, Dh] fp16, visible [n_q, n_k] -> [1, H, n_q, Dh] fp16. Query heads h*G .. h*G+G-1 share kv head h,
+    so the G heads' rows are stacked against one K instead of repeating K."""
+    _, n_heads, n_q, dh = q.shape
+    n_kv = k.shape[1]
+    qg = q[0].float().reshape(n_kv, (n_heads // n_kv) * n_q, dh)             # [Hkv, G * n_q, Dh]
+    scores = qg @ k[0].float().transpose(1, 2) * scale                       # [Hkv, G * n_q, n_k]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(n_kv, -1, n_q, scores.shape[-1]).masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1).view(n_kv, -1, scores.shape[-1]) @ v[0].float()   # [Hkv, G * n_q, Dh]
+    return out.view(1, n_heads, n_q, dh).to(q.dtype)

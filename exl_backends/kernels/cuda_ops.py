@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import reference
 from ..ops import Ops
-from . import activation, attention, kv_cache, norm, rope
+from . import activation, attention, kv_cache, moe, norm, rope
 
 OPS = Ops(
     embedding=reference.embedding,
@@ -15,4 +15,8 @@ OPS = Ops(
     silu_mul=activation.silu_mul,
     paged_attention=attention.paged_attention,
     rope_write=kv_cache.rope_write,
+    gelu_tanh_mul=activation.gelu_tanh_mul,
+    softcap=activation.softcap,
+    moe=moe.moe,
+    attention_options=frozenset({"window", "softcap"}),
 )

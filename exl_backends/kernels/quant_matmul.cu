@@ -617,19 +617,18 @@ __device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, 
 
 __device__ __forceinline__ float bias_at(const half* bias, int col) { return bias ? __half2float(bias[col]) : 0.f; }
 
+// Block `local` of part pt (of p): y [M, pt.n] = x [M, K] @ W^T (+ bias). Split partials go to
+// ws[(split * ws_rows + m) * Np + col] (ws: this part's, row 0), arrivals to counters[strip] (this part's).
 template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0, half* y1, half* y2, float* ws)
+__device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
+                                            float* ws, int ws_rows, int* counters)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     half* xs = reinterpret_cast<half*>(smem);
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const int pi = part_of(p, blockIdx.x);
-    const Part& pt = p.part[pi];
-    const int local = blockIdx.x - pt.block0;
     const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
     const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1];
-    const int M = p.M;
 
     Stream st;
     if (strip < pt.strips) {                 // DRAM reads first; they overlap the staging below
@@ -653,7 +652,6 @@ __device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0,
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
 
-    half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
     const int N = pt.n, Np = pt.np;
     // acc[t][n][i]: column strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2
     if (pt.n_splits == 1) {
@@ -669,7 +667,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0,
                 }
         return;
     }
-    float* part = ws + pt.ws_offset + (size_t)split * M * Np;
+    float* part = ws + (size_t)split * ws_rows * Np;
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -682,11 +680,11 @@ __device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0,
     __threadfence();                             // partials visible device-wide before this warp is counted
     __syncwarp();
     int done = 0;
-    if (lane == 0) done = atomicAdd(pt.counters + strip, 1);
+    if (lane == 0) done = atomicAdd(counters + strip, 1);
     done = __shfl_sync(FULL_MASK, done, 0);
     if (done != pt.n_splits - 1) return;
     __threadfence();                             // the last warp of the strip: every other split's partial is in
-    const float* parts = ws + pt.ws_offset;
+    const float* parts = ws;
     const int col = strip * 32 + lane, n_splits = pt.n_splits;
     for (int m = 0; m < M; ++m) {
         float sum = 0.f;
@@ -694,13 +692,51 @@ __device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0,
             float v[REDUCE_LOADS];
 #pragma unroll
             for (int u = 0; u < REDUCE_LOADS; ++u)
-                v[u] = s0 + u < n_splits ? __ldcg(parts + ((size_t)(s0 + u) * M + m) * Np + col) : 0.f;
+                v[u] = s0 + u < n_splits ? __ldcg(parts + ((size_t)(s0 + u) * ws_rows + m) * Np + col) : 0.f;
 #pragma unroll
             for (int u = 0; u < REDUCE_LOADS; ++u) sum += v[u];
         }
         if (col < N) y[(size_t)m * N + col] = __float2half_rn(sum + bias_at(pt.bias, col));
     }
-    if (lane == 0) pt.counters[strip] = 0;
+    if (lane == 0) counters[strip] = 0;
+}
+
+// The launch of p: block blockIdx.x of the parts laid out in block order.
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0, half* y1, half* y2, float* ws)
+{
+    const int pi = part_of(p, blockIdx.x);
+    const Part& pt = p.part[pi];
+    matmul_part<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, pi == 0 ? y0 : pi == 1 ? y1 : y2,
+                             ws ? ws + pt.ws_offset : ws, p.M, pt.counters);
+}
+
+// MoE: the experts of one layer (experts[e], a Params in device memory, all with the same parts' shapes and block
+// counts) applied to the rows of x routed to them, which the launcher has sorted by expert: rows offsets[e] ..
+// offsets[e] + counts[e] - 1 of x [S, K] go through expert e into the same rows of y0 (and y1) [S, n]. Block
+// (b, e, z) is block b of expert e for its rows 16z .. 16z + 15 (ROWS per pass: 1 for the m1 kernel, which the
+// launcher uses when no expert has more than one row); experts without rows there exit at once, so only the routed
+// experts' weights are read, and the launch reads no host value (CUDA-graph safe). Split partials of part i:
+// ws[i * ws_part + (split * S + row) * np], arrivals: counters[((e * gridDim.z + z) * MAX_PARTS + i) * strips_max +
+// strip] (zero before, zero after).
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void moe_matmul(const Params* experts, const int* offsets, const int* counts, int S,
+                                           const half* x, half* y0, half* y1, float* ws, long long ws_part,
+                                           int* counters, int strips_max)
+{
+    constexpr int ROWS = M1 ? 1 : 8 * N8;
+    const int e = blockIdx.y, z = blockIdx.z;
+    const int M = min(ROWS, __ldg(counts + e) - ROWS * z);
+    if (M <= 0) return;
+    const int row0 = __ldg(offsets + e) + ROWS * z;
+    const Params& p = experts[e];
+    const int pi = part_of(p, blockIdx.x);
+    const Part& pt = p.part[pi];
+    const int local = blockIdx.x - pt.block0;
+    if (local >= pt.col_blocks * pt.n_splits) return;
+    matmul_part<Fmt, N8, M1>(p, pt, local, M, x + (size_t)row0 * p.K, (pi == 0 ? y0 : y1) + (size_t)row0 * pt.n,
+                             ws ? ws + pi * ws_part + (size_t)row0 * pt.np : ws, S,
+                             counters + ((size_t)(e * gridDim.z + z) * MAX_PARTS + pi) * strips_max);
 }
 
 // ------------------------------------------------------------------------------------------- dequant
@@ -783,6 +819,21 @@ QMM_MATMUL(exl2_matmul_m16, qmm::Exl2, 2, false, 2)
 QMM_MATMUL(gptq_matmul_m1, qmm::Gptq, 1, true, 3)
 QMM_MATMUL(gptq_matmul_m8, qmm::Gptq, 1, false, 2)
 QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 2)
+
+// MoE (qmm::moe_matmul): grid (blocks per expert, experts, passes of 1 or 16 rows), block 256, dynamic shared memory
+// as the experts' plans say. experts: Params [E] in device memory (parts w1, w3 or w2 of each expert).
+#define QMM_MOE(NAME, FMT, N8, M1, BLOCKS_PER_SM)                                                                      \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, BLOCKS_PER_SM)                                          \
+    NAME(const qmm::Params* experts, const int* offsets, const int* counts, int S, const half* x, half* y0,          \
+         half* y1, float* ws, long long ws_part, int* counters, int strips_max)                                      \
+    {                                                                                                                  \
+        qmm::moe_matmul<FMT, N8, M1>(experts, offsets, counts, S, x, y0, y1, ws, ws_part, counters, strips_max);     \
+    }
+
+QMM_MOE(exl2_moe_m1, qmm::Exl2, 1, true, 3)
+QMM_MOE(exl2_moe_m16, qmm::Exl2, 2, false, 2)
+QMM_MOE(gptq_moe_m1, qmm::Gptq, 1, true, 3)
+QMM_MOE(gptq_moe_m16, qmm::Gptq, 2, false, 2)
 
 // w_out: W^T [K, Np] fp16 in original row order. 3 blocks per SM (quant_matmul.DEQUANT_RESIDENT).
 #define QMM_DEQUANT(NAME, FMT)                                                                                         \

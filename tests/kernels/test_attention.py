@@ -1,7 +1,8 @@
 """kernels.attention.paged_attention against reference.paged_attention on the same cache contents (the cache is
 written once, by the kernels; the reference reads it back with torch ops), so the tests isolate the attention
 arithmetic. Ragged lengths across page boundaries, shuffled page tables, decode-only and mixed batches, every
-cache mode, GQA groups from 1 to 12."""
+cache mode, GQA groups from 1 to 12; sliding windows (smaller than, equal to and larger than the context, ending on
+and across page boundaries) and attention-logit soft-capping on every path."""
 import re
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def shuffled_pages(specs, page_size, seed):
     return lists, len(order)
 
 
-def run_case(shape, mode, specs, page_size, seed):
+def run_case(shape, mode, specs, page_size, seed, window=None, softcap=None):
     from exl_backends.kernels import attention
     lists, n_pages = shuffled_pages(specs, page_size, seed)
     cache, g = filled_cache(shape, mode, n_pages, page_size, seed)
@@ -53,8 +54,9 @@ def run_case(shape, mode, specs, page_size, seed):
     q = (torch.randn(batch.input_ids.shape[0], hkv * group, dh, device="cuda", generator=g) * 1.5).half()
     scale = dh ** -0.5
     poison_allocator()
-    ours = attention.paged_attention(q, cache, 0, batch, scale)
-    assert_attention_close(ours, reference.paged_attention(q, cache, 0, batch, scale))
+    options = {name: value for name, value in (("window", window), ("softcap", softcap)) if value is not None}
+    ours = attention.paged_attention(q, cache, 0, batch, scale, **options)
+    assert_attention_close(ours, reference.paged_attention(q, cache, 0, batch, scale, **options))
 
 
 def assert_attention_close(ours, ref):
@@ -155,3 +157,119 @@ def test_every_launched_kernel_is_defined():
     source = (Path(attention.__file__).with_suffix(".cu")).read_text()
     defined = {f"paged_decode_{mode}_d{dh}" for mode, dh in re.findall(r"^PAGED_DECODE\((\w+), (\d+),", source, re.M)}
     assert set(attention.DECODE_KERNELS.values()) == defined
+
+
+# windows against DECODE_LENS / MIXED contexts: 1 key, less than a 32-key tile, a tile, a tile and one, a page and
+# around it, more than some contexts, more than every context
+WINDOWS = [1, 7, 32, 33, 255, 256, 257, 1000, 4096, 10000]
+OPTION_SHAPES = [(2, 4, 128), (1, 3, 64), (3, 12, 64)]
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_batch_with_window(mode, window):
+    for i, shape in enumerate(OPTION_SHAPES):
+        run_case(shape, mode, [(n - 1, 1) for n in DECODE_LENS], 256, seed=window + i, window=window)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_mixed_batch_with_window(mode, window):
+    """Prompts (SDPA with a window mask over the pages the window touches), short chunks and decode rows."""
+    run_case((2, 4, 128), mode, MIXED, 256, seed=window, window=window)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_window_on_small_pages(mode, page_size):
+    """Windows that start mid-page, on a page boundary, and one page back, over many small pages."""
+    for window in (31, 32, 64, 65, 97):
+        run_case((2, 3, 128), mode, [(n - 1, 1) for n in DECODE_LENS], page_size, seed=window, window=window)
+        run_case((2, 3, 128), mode, MIXED, page_size, seed=window + 1, window=window)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("softcap", [50.0, 0.7])      # Gemma 2's 50, and one that caps nearly every score
+def test_softcap_decode_and_mixed(mode, softcap):
+    for i, shape in enumerate(OPTION_SHAPES):
+        run_case(shape, mode, [(n - 1, 1) for n in DECODE_LENS], 256, seed=i, softcap=softcap)
+    run_case((2, 4, 128), mode, MIXED, 256, seed=9, softcap=softcap)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [7, 256, 4096])
+def test_window_and_softcap_together(mode, window):
+    """Gemma 2's sliding layers: both options at once."""
+    run_case((2, 4, 128), mode, [(n - 1, 1) for n in DECODE_LENS], 256, seed=window, window=window, softcap=30.0)
+    run_case((2, 4, 128), mode, MIXED, 64, seed=window + 1, window=window, softcap=30.0)
+
+
+@on_gpu
+@pytest.mark.parametrize("shape", [(2, 2, 16), (4, 2, 32), (2, 3, 96)])
+def test_small_and_odd_head_dims_with_options(shape):
+    run_case(shape, "fp16", [(n - 1, 1) for n in DECODE_LENS], 256, seed=5, window=33, softcap=20.0)
+    run_case(shape, "fp16", MIXED, 256, seed=6, window=300)
+
+
+@on_gpu
+def test_head_dim_96_fp16():
+    """Phi-3-mini's head_dim: 48-byte key and 24-byte value shares per lane (16- and 8-byte loads)."""
+    run_case((4, 3, 96), "fp16", [(n - 1, 1) for n in DECODE_LENS], 256, seed=7)
+    run_case((4, 3, 96), "fp16", MIXED, 64, seed=8)
+
+
+@on_gpu
+def test_windowed_decode_replays_in_a_cuda_graph():
+    """The window moves with the positions copied into the captured batch; splits are fixed by the window."""
+    from exl_backends.kernels import attention
+    shape, page_size, window = (8, 4, 128), 64, 300
+    lists, n_pages = shuffled_pages([(0, 3000), (0, 3000)], page_size, seed=11)
+    cache, g = filled_cache(shape, "q4", n_pages, page_size, seed=11)
+
+    def decode_batch(lengths):
+        return Batch.build([SeqChunk([1], n - 1, pages) for n, pages in zip(lengths, lists)], page_size, "cuda")
+    static = decode_batch([400, 40])
+    q = torch.randn(2, 32, 128, device="cuda", generator=g).half()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention.paged_attention(q, cache, 0, static, 0.1, window=window, softcap=40.0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.paged_attention(q, cache, 0, static, 0.1, window=window, softcap=40.0)
+    for lengths in ([401, 41], [2999, 3000], [1, 301], [299, 300]):
+        grown = decode_batch(lengths)
+        static.seq_lens.copy_(grown.seq_lens)
+        static.positions.copy_(grown.positions)
+        q.copy_(torch.randn(2, 32, 128, device="cuda", generator=g).half())
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_attention_close(out, reference.paged_attention(q, cache, 0, grown, 0.1, window=window, softcap=40.0))
+
+
+# ----------------------------------------------------------------------------------------------- on CPU
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+@pytest.mark.parametrize("group", [1, 3])
+def test_softcapped_prefill_arithmetic_equals_reference(window, group):
+    """attention._softcapped with attention._visible (the soft-capped prompt path; plain torch, so it runs here) on
+    the keys a query chunk sees, against reference.attention over the whole sequence."""
+    from exl_backends.kernels import attention
+    gen = torch.Generator().manual_seed(group + (window or 0))
+    n_kv, dh, n_keys, n_new = 2, 16, 53, 21
+    q = torch.randn(n_new, n_kv * group, dh, generator=gen) * 2
+    k, v = torch.randn(n_keys, n_kv, dh, generator=gen) * 2, torch.randn(n_keys, n_kv, dh, generator=gen)
+    first = n_keys - n_new
+    ref = reference.attention(q, k, v, torch.arange(first, n_keys), 0.3, window=window, softcap=1.5)
+    lo = 0 if window is None else max(0, first - window + 1)
+    visible = attention._visible(first, n_new, lo, n_keys - lo, window, torch.device("cpu"))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k[lo:], v[lo:]))
+    ours = attention._softcapped(qh, kh, vh, visible, 0.3, 1.5)[0].transpose(0, 1)
+    torch.testing.assert_close(ours, ref)
