@@ -9,8 +9,9 @@ two all-reduces per layer and a logits all-gather per token).
 
 It writes the EXL2 directory once (to --dir, default /tmp/exl-bench-<shape>) so that every engine loads the same
 file (packing on the CPU takes minutes for 8B, much longer for 70B), and runs tensor parallel through
-ExlForCausalLM.from_pretrained(tensor_parallel=2). Every engine decodes eagerly here (split and TP cannot replay
-one CUDA graph yet), so the single-GPU row is its eager speed, not `exl bench`'s graph replay."""
+ExlForCausalLM.from_pretrained(tensor_parallel=2). Decode goes through the generator's Runner: one GPU and tensor
+parallel replay CUDA graphs (every rank replays its own), a layer split runs eagerly (one graph cannot span two
+GPUs)."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ from shapes import SHAPES  # noqa: E402
 
 from exl_backends import ExlForCausalLM  # noqa: E402
 from exl_backends.batch import Batch, SeqChunk  # noqa: E402
-from exl_backends.bench import copy_bandwidth, fill_cache  # noqa: E402
+from exl_backends.bench import copy_bandwidth, decode_speed  # noqa: E402
 from exl_backends.formats.exl2_writer import linear_tensors  # noqa: E402
 from exl_backends.formats.synthetic import random_exl2  # noqa: E402
 
@@ -73,22 +74,9 @@ def sync() -> None:
 
 
 def decode_tok_s(lm: ExlForCausalLM, context: int, steps: int = 64) -> float:
-    """Batch-1 decode at a context (cache filled with random K/V), a host sync per token as generation does."""
-    ps = lm.page_size
-    n_pages = -(-(context + steps + 4) // ps)
-    cache = lm.new_cache(n_pages * ps)
-    fill_cache(cache)
-    pages = cache.pool.allocate(n_pages)
-    token = 1
-
-    def step(i):
-        return lm.model.forward(Batch.build([SeqChunk([token], context + i, pages)], ps, lm.device), cache)
-    for i in range(3):
-        token = int(step(i).argmax())
-    t0 = time.perf_counter()
-    for i in range(steps):
-        token = int(step(i).argmax())
-    return steps / (time.perf_counter() - t0)
+    """Batch-1 decode at a context (cache filled with random K/V), a host sync per token as generation does;
+    through the generator's Runner, so one GPU and tensor parallel replay CUDA graphs, a layer split runs eagerly."""
+    return decode_speed(lm.model, context, lm.cache_mode, steps, lm.page_size)["tok_s"]
 
 
 def prefill_tok_s(lm: ExlForCausalLM, n_tokens: int, chunk: int = 2048) -> float:

@@ -1,17 +1,25 @@
 """Speed measurement for `exl bench` and benchmarks/: decode and prefill tokens/s next to the bandwidth bound.
 
 A decode step at batch 1 reads every weight once plus the KV cache of its context, so
-    bound (tokens/s) = measured copy bandwidth / (weight bytes + context x cache bytes per token)."""
+    bound (tokens/s) = measured copy bandwidth / (weight bytes + context x cache bytes per token).
+A layer split reads its layers one GPU after another: one GPU's bandwidth over all the bytes. Tensor parallel
+reads every GPU's shard at once: one GPU's bandwidth over one rank's bytes (rank 0's, measured here; the other
+ranks hold the same share). A mixture-of-experts layer at batch 1 reads its router and the top_k experts the
+token is routed to, not every expert."""
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from .batch import Batch, SeqChunk
 from .cache import KVCache, bytes_per_token
+from .mlp import Mlp, MoeMlp
 from .model import Model
-from .runner import Runner
+from .parallel import TensorParallelModel
+from .runner import DecodeGraphs, Runner
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 * 1024**3) -> float:
@@ -34,13 +42,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _sync_all(model: Model | TensorParallelModel) -> None:
+    """Waits for every device the model runs on (a layer split has several)."""
+    for device in set(model.block_devices):
+        _sync(device)
+
+
+def shard(model: Model | TensorParallelModel) -> Model:
+    """The weights one GPU reads per token: rank 0's shard under tensor parallelism, else the whole model."""
+    return model.local if isinstance(model, TensorParallelModel) else model
+
+
+def _nbytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def mlp_bytes(mlp: Mlp | MoeMlp) -> int:
+    """Bytes an MLP reads for one token: a routed one its router and top_k experts (of their mean size)."""
+    if isinstance(mlp, MoeMlp):
+        experts = [mlp_bytes(e) for e in mlp.experts]
+        return mlp.router.nbytes() + mlp.top_k * sum(experts) // len(experts)
+    return sum(x.nbytes() for x in (mlp.gate, mlp.up, mlp.down))
+
+
 def weight_bytes(model: Model) -> int:
-    """Bytes one decode step reads from the weights: every linear and norm once (the embedding: one row)."""
-    total = model.lm_head.nbytes() + model.norm.numel() * model.norm.element_size()
+    """Bytes one decode step at batch 1 reads from a Model's weights (under tensor parallelism pass its shard):
+    every linear and norm once (an MoE layer: see mlp_bytes), the embedding one row."""
+    total = model.lm_head.nbytes() + _nbytes(model.norm)
     for b in model.blocks:
-        a, m = b.attention, b.mlp
-        total += sum(x.nbytes() for x in (a.q, a.k, a.v, a.o, m.gate, m.up, m.down))
-        total += sum(t.numel() * t.element_size() for t in (b.input_norm, b.post_attn_norm))
+        a = b.attention
+        total += sum(x.nbytes() for x in (a.q, a.k, a.v, a.o)) + mlp_bytes(b.mlp)
+        total += sum(_nbytes(t) for t in (b.input_norm, b.post_attn_norm, b.attn_out_norm, b.mlp_out_norm,
+                                          a.q_norm, a.k_norm))
     return total
 
 
@@ -54,12 +87,18 @@ def fill_cache(cache: KVCache) -> None:
                 s.uniform_(0.01, 0.05)
 
 
-def decode_speed(model: Model, context: int, cache_mode: str = "fp16", steps: int = 64,
+def _cache(model: Model | TensorParallelModel, n_pages: int, page_size: int, cache_mode: str) -> KVCache:
+    return KVCache(model.config, n_pages, page_size, cache_mode, model.device, model.dtype,
+                   layer_devices=model.block_devices)
+
+
+def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: str = "fp16", steps: int = 64,
                  page_size: int = 256) -> dict:
     """Batch-1 decode at a given context (cache filled with random K/V): tokens/s with a host sync per token
-    (as generation needs) and, on CUDA, graph replays alone."""
+    (as generation needs) and, for a model on one GPU, graph replays alone. bytes: what one GPU reads per token
+    (tensor parallel: rank 0's shard and its kv heads' cache)."""
     n_pages = -(-(context + steps + 4) // page_size)
-    cache = KVCache(model.config, n_pages + 1, page_size, cache_mode, model.device, model.dtype)
+    cache = _cache(model, n_pages + 1, page_size, cache_mode)
     fill_cache(cache)
     pages = cache.pool.allocate(n_pages)
     runner = Runner(model, cache, max_batch=1, max_pages=n_pages)
@@ -73,9 +112,10 @@ def decode_speed(model: Model, context: int, cache_mode: str = "fp16", steps: in
     for i in range(steps):
         token = int(step(i).argmax())
     result = dict(tok_s=steps / (time.perf_counter() - t0),
-                  bytes=weight_bytes(model) + context * bytes_per_token(model.config, cache_mode))
-    if runner.graphs:
-        graph = runner.graphs[1].graph
+                  bytes=weight_bytes(shard(model)) + context * bytes_per_token(model.config, cache_mode,
+                                                                             model.dtype.itemsize))
+    if isinstance(runner.graphs, DecodeGraphs) and model.device.type == "cuda":   # tensor parallel replays in lockstep
+        graph = runner.graphs.by_size[1].graph
         _sync(model.device)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -85,26 +125,45 @@ def decode_speed(model: Model, context: int, cache_mode: str = "fp16", steps: in
     return result
 
 
-def prefill_speed(model: Model, n_tokens: int, page_size: int = 256, reps: int = 3) -> float:
+def prefill_speed(model: Model | TensorParallelModel, n_tokens: int, page_size: int = 256, reps: int = 3) -> float:
     """Tokens/s of one eager forward over an n_tokens prompt."""
     n_pages = -(-n_tokens // page_size)
-    cache = KVCache(model.config, n_pages, page_size, "fp16", model.device, model.dtype)
+    cache = _cache(model, n_pages, page_size, "fp16")
     ids = torch.randint(0, model.config.vocab_size, (n_tokens,)).tolist()
     batch = Batch.build([SeqChunk(ids, 0, cache.pool.allocate(n_pages))], page_size, model.device)
     model.forward(batch, cache)
-    _sync(model.device)
+    _sync_all(model)
     t0 = time.perf_counter()
     for _ in range(reps):
         model.forward(batch, cache)
-    _sync(model.device)
+    _sync_all(model)
     return n_tokens * reps / (time.perf_counter() - t0)
 
 
-def report(model: Model, contexts: list[int], cache_mode: str, prefill_tokens: list[int]) -> str:
+def notes(model: Model | TensorParallelModel) -> list[str]:
+    """What the bound counts, for a model that is not one dense model on one device."""
+    local, out = shard(model), []
+    if local is not model:
+        out.append(f"tensor parallel over {dist.get_world_size()} GPUs: each reads its shard at once; bytes and "
+                   f"bound are one GPU's (rank 0's shard, {weight_bytes(local) / 1e9:.2f} GB of weights)")
+    elif len(local.stages) > 1:
+        out.append(f"layer split over {len(local.stages)} devices: the layers are read one device after another; "
+                   f"bound = one device's bandwidth over all the bytes")
+    routed = [b.mlp for b in local.blocks if isinstance(b.mlp, MoeMlp)]
+    if routed:
+        m = routed[0]
+        out.append(f"mixture of experts: bytes per token count each MoE layer's router and top_k={m.top_k} of its "
+                   f"{len(m.experts)} experts (batch 1), not every expert")
+    return out
+
+
+def report(model: Model | TensorParallelModel, contexts: list[int], cache_mode: str,
+           prefill_tokens: list[int]) -> str:
     """The table `exl bench` prints."""
     bw = copy_bandwidth(model.device)
-    lines = [f"device {model.device}, copy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes(model) / 1e9:.2f} GB",
-             f"{'what':28} {'tokens/s':>10} {'bound':>10} {'% of bound':>11}"]
+    lines = [f"device {model.device}, copy bandwidth {bw / 1e9:.0f} GB/s, weights read per token "
+             f"{weight_bytes(shard(model)) / 1e9:.2f} GB"] + [f"note: {n}" for n in notes(model)]
+    lines.append(f"{'what':28} {'tokens/s':>10} {'bound':>10} {'% of bound':>11}")
     for n in prefill_tokens:
         lines.append(f"{'prefill ' + str(n):28} {prefill_speed(model, n):10.1f}")
     for ctx in contexts:

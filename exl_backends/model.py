@@ -115,6 +115,11 @@ class Model:
         """One CUDA graph captures one device's work: a layer split runs its decode steps eagerly."""
         return len(self.stages) == 1
 
+    def decode_graphs(self, cache: KVCache, max_pages: int, trash_page: int):
+        """This model's captured decode steps over cache, by batch size (runner.Runner replays them)."""
+        from .runner import DecodeGraphs        # runner builds on this module
+        return DecodeGraphs(self, cache, max_pages, trash_page)
+
     @classmethod
     def load(cls, path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32, stages: list[Stage] | None = None) -> "Model":
@@ -293,7 +298,7 @@ def validate(ckpt: formats.Checkpoint, config: ModelConfig) -> None:
 # ----------------------------------------------------------------------------------------------- loading
 
 
-class _Loader:
+class Loader:
     """Reads one checkpoint's tensors onto the device, in the compute dtype."""
 
     def __init__(self, ckpt: formats.Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype):
@@ -324,18 +329,18 @@ def _load_weights(ckpt: formats.Checkpoint, config: ModelConfig, block_devices: 
     blocks = []
     for i, device in enumerate(block_devices):
         with on_device(device):                 # the kernels' prepare() runs on the weights' device
-            blocks.append(_load_block(_Loader(ckpt, config, device, dtype), config, i))
+            blocks.append(load_block(Loader(ckpt, config, device, dtype), config, i))
     embed = store.get(f"{n.embed}.weight").to(first, dtype)
     with on_device(last):
         if head_is_tied(store, config):
             lm_head = Linear(embed.to(last))        # a copy when the head is on another device
         else:
             lm_head = formats.load_linear(ckpt, n.lm_head, config.hidden_size, config.vocab_size, False, last, dtype)
-        norm = _Loader(ckpt, config, last, dtype).norm(f"{n.final_norm}.weight")
+        norm = Loader(ckpt, config, last, dtype).norm(f"{n.final_norm}.weight")
     return embed, blocks, norm, lm_head
 
 
-def _load_block(load: _Loader, config: ModelConfig, i: int) -> Block:
+def load_block(load: Loader, config: ModelConfig, i: int) -> Block:
     n, hd = config.traits.names, config.head_dim
     *qkv, o = attention_linears(config, i, load.ckpt.store)
     if _is_fused(load.ckpt.store, config, i, n.qkv, n.q):
@@ -354,7 +359,7 @@ def _load_block(load: _Loader, config: ModelConfig, i: int) -> Block:
                  local_rope=config.local_rope is not None and window is not None)
 
 
-def _load_mlp(load: _Loader, config: ModelConfig, i: int) -> Mlp | MoeMlp:
+def _load_mlp(load: Loader, config: ModelConfig, i: int) -> Mlp | MoeMlp:
     n, store = config.traits.names, load.ckpt.store
     specs = mlp_linears(config, i, store)
     if config.moe is not None and config.moe.layers[i]:

@@ -25,10 +25,18 @@ their fields cannot be moved one by one). EXL2 q_scale packs 8 columns per int32
 nibbles, gather and repack them (for 8-aligned runs this equals slicing the words).
 
 Each rank's shards are ordinary Linear / QuantLinear layers, so its kernels are the single-GPU ones. NVLink
-multicast (NVLS) is turned off before NCCL starts. Decode steps run eagerly (no CUDA graph): the control message
-that starts a step must reach the other ranks outside any graph."""
+multicast (NVLS) is turned off before NCCL starts. Decode steps replay CUDA graphs on every rank: rank 0's
+runner announces each replay (the step's batch size and inputs) over the control channel, outside any graph;
+each rank copies the inputs into its own graph's static tensors and replays it, the NCCL all-reduces inside.
+A size's first replay is captured on all ranks at once, so the captured collectives pair up.
+
+Memory: before loading, every rank reports its GPU's free memory and all plan rank 0's share (rank_footprint:
+its weight shards, its kv heads' cache for the context, scratch, reserve) against the smallest, refusing with
+each GPU's numbers, or fitting the context when none was asked for."""
 from __future__ import annotations
 
+import logging
+import math
 import os
 import socket
 import weakref
@@ -41,17 +49,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import formats, model, reference
+from . import cache as kv_cache
+from . import formats, model, planner, reference
 from .batch import Batch
 from .cache import CACHE_MODES, KVCache, check_mode
 from .config import ModelConfig
-from .errors import ConfigError
+from .errors import ConfigError, OutOfMemoryPlanError
 from .formats.exl2 import Exl2Weight, padded
 from .formats.gptq import GptqWeight
 from .linear import Linear, QuantLinear
+from .runner import DecodeGraphs
 
 CONTROL_IDLE = timedelta(days=30)       # followers wait this long for rank 0's next call (a server may idle)
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- partitions
@@ -286,7 +298,7 @@ def check_shardable(ckpt: formats.Checkpoint, config: ModelConfig, world: int) -
                           "split (an EXL2 quant stores them split); use gpu_split")
 
 
-class ShardLoader(model._Loader):
+class ShardLoader(model.Loader):
     """model.py's loader, each linear read on the CPU, cut to this rank's part, then placed on the device."""
 
     def __init__(self, ckpt: formats.Checkpoint, config: ModelConfig, rank: Rank, dtype: torch.dtype):
@@ -355,17 +367,136 @@ def load_shard(path: str | Path, rank: Rank, dtype: torch.dtype, config: ModelCo
     load = ShardLoader(ckpt, config, rank, dtype)
     mine = local_config(config, rank.world)
     with model.on_device(rank.device):
-        blocks = [model._load_block(load, mine, i) for i in range(config.n_layers)]
+        blocks = [model.load_block(load, mine, i) for i in range(config.n_layers)]
         head = load.head()
     embed = ckpt.store.get(f"{config.traits.names.embed}.weight").to(rank.device, dtype)
     norm = load.norm(f"{config.traits.names.final_norm}.weight")
     return model.Model(mine, embed, blocks, norm, head, rank.device, dtype)
 
 
+# ----------------------------------------------------------------------------------------------- memory plan
+
+
+def rank_footprint(ckpt: formats.Checkpoint, config: ModelConfig, world: int, cache_mode: str = "fp16",
+                   dtype: torch.dtype = torch.float16) -> planner.Footprint:
+    """One rank's share in planner.footprint's accounting, from the headers alone: the replicated embedding and
+    norms; q/k/v, gate/up and the head cut by columns (its heads, 1/world of the MLP, its vocabulary chunk); o
+    and down cut by rows, quantized ones with an allowance for the cut (EXL2 o_proj: up to 31 padding rows per
+    group; down_proj: cut at group boundaries, up to one group more than 1/world); its kv heads' KV cache; the
+    scratch of its part of a prefill chunk (the all-gathered logits whole). Rank 0's share is planned for every
+    rank: its vocabulary chunk is the widest and it keeps the row-split biases. Quantized shards are bounded
+    from above (_cut_allowance): their exact size needs the tensors, not just the headers."""
+    kv_cache.check_mode(cache_mode, local_config(config, world))
+    item, store, d = dtype.itemsize, ckpt.store, config.hidden_size
+    q_heads, kv_heads = (runs[0] for runs in head_runs(config, world))
+    q_share, kv_share, mlp_share = len(q_heads) / config.n_heads, len(kv_heads) / config.n_kv_heads, 1 / world
+    tensor_bytes = (config.vocab_size * d + (2 * config.n_layers + 1) * d) * item       # embedding, norms
+    prepare = dequant = decoder_bytes = decoder_weights = 0
+    chunk = padded(-(-config.vocab_size // world))
+    parts = []              # (spec, share, cut): cut None (by columns), "heads" or "groups" (by rows)
+    for i in range(config.n_layers):
+        q, k, v, o = model.attention_linears(config, i, store)
+        gate, up, down = model.mlp_linears(config, i, store)
+        parts += [(q, q_share, None), (k, kv_share, None), (v, kv_share, None), (o, q_share, "heads"),
+                  (gate, mlp_share, None), (up, mlp_share, None), (down, mlp_share, "groups")]
+    if not model.head_is_tied(store, config):
+        parts.append(((config.traits.names.lm_head, d, config.vocab_size, False), chunk / config.vocab_size, None))
+    else:
+        tensor_bytes += chunk * d * item        # the head's columns of the embedding
+    for (key, k, n, _), share, cut in parts:
+        nbytes = formats.linear_nbytes(ckpt, key, k, n, dtype)
+        mine = math.ceil(nbytes * share) + _cut_allowance(ckpt, key, k, n, nbytes, share, cut)
+        tensor_bytes += mine
+        k_mine, n_mine = (math.ceil(k * share), n) if cut else (k, math.ceil(n * share))
+        if key != config.traits.names.lm_head:
+            decoder_bytes, decoder_weights = decoder_bytes + mine, decoder_weights + k_mine * n_mine
+        if formats.linear_kind(store, key) != "dense":
+            prepare += planner.PREPARE_BYTES_PER_ROW * k_mine
+            dequant = max(dequant, k_mine * padded(n_mine) * 2)
+    view = replace(local_config(config, world), intermediate_size=math.ceil(config.intermediate_size / world))
+    return planner.Footprint(view, cache_mode, dtype, tensor_bytes, prepare, dequant, decoder_bytes,
+                             decoder_weights, kv_cache.bytes_per_token(view, cache_mode, item))
+
+
+def _cut_allowance(ckpt: formats.Checkpoint, key: str, k: int, n: int, nbytes: int, share: float,
+                   cut: str | None) -> int:
+    """Bytes a shard of a quantized layer may hold beyond `share` of its bytes: the per-group and per-row tensors
+    a shard may keep whole (EXL2 scale maxima, group map, permutation; GPTQ scales and zeros of every group its
+    rows use, g_idx), and for EXL2 the cut's padding (exl2_columns, exl2_rows, input_partition)."""
+    store, kind = ckpt.store, formats.linear_kind(ckpt.store, key)
+    if kind == "dense":
+        return 0
+
+    def stored(name):
+        info = store.info(f"{key}.{name}")
+        return math.prod(info.shape) * info.dtype.itemsize
+    if kind != "exl2":
+        return stored("qzeros") + math.prod(store.info(f"{key}.scales").shape) * 2 + k * 4
+    groups = store.info(f"{key}.q_groups").shape[0] // 2
+    whole = stored("q_scale_max") + stored("q_groups") + stored("q_invperm")
+    if cut is None:                             # columns padded to a multiple of 32
+        cols = math.ceil(n * share)
+        return whole + (padded(cols) - cols) * nbytes // n
+    if cut == "heads":
+        return whole + groups * 31 * nbytes // k        # up to 31 zero rows per group
+    return whole + nbytes // groups             # cut at the group boundary nearest 1/world: up to a group more
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The plan every rank agreed on: rank 0's share, each GPU's free memory before loading, the context."""
+    footprint: planner.Footprint
+    budgets: tuple[int, ...]
+    names: tuple[str, ...]
+    tokens: int
+
+
+def fit_context(fp: planner.Footprint, budgets: list[int], names: list[str], requested: int | None,
+                max_position_embeddings: int) -> int:
+    """planner.fit_context for tensor parallelism: `requested` if every GPU holds its share, else
+    OutOfMemoryPlanError with each GPU's numbers; with no request, the longest context every GPU holds (up to
+    max_position_embeddings)."""
+    tokens = requested or max_position_embeddings
+    tightest = min(budgets)
+    if fp.plan(tokens).total <= tightest:
+        return tokens
+    fits = fp.max_tokens(tightest)
+    if requested is None and fits >= min(tokens, planner.PAGE_SIZE):
+        log.warning("tensor parallel: context shortened from %d to %d tokens to fit every GPU's share (pass "
+                    "max_seq_len to choose)", tokens, fits)
+        return fits
+    p, gib = fp.plan(tokens), planner.gib
+    lines = [f"{name}: {gib(budget)} free, {'fits' if p.total <= budget else f'short by {gib(p.total - budget)}'}"
+             for name, budget in zip(names, budgets)]
+    ways = [f"max_seq_len={fits} (the longest context every GPU holds)"] if fits else []
+    if fp.cache_mode != "q4" and fp.bytes_per_token:
+        ways.append("cache_mode='q4'")
+    ways += ["a lower-bpw quant of this model", "more GPUs (a larger tensor_parallel, if the kv heads divide)"]
+    raise OutOfMemoryPlanError(
+        f"tensor_parallel={len(budgets)}: the model does not fit. Each GPU holds its share, {gib(p.total)} "
+        f"({planner.breakdown(p)}; its kv heads only). Per GPU: {'; '.join(lines)}. Try: {'; '.join(ways)}")
+
+
+def plan_memory(ckpt: formats.Checkpoint, config: ModelConfig, me: Rank, channel: "Channel",
+                requested: int | None, cache_mode: str, dtype: torch.dtype) -> RankMemory:
+    """Every rank calls this after joining and before loading: each reports its GPU's free memory, then all
+    decide alike (so all refuse, or all load for the same context)."""
+    from .placement import device_name
+    reports = [None] * me.world
+    dist.all_gather_object(reports, (planner.free_memory(me.device), device_name(me.device)), group=channel.group)
+    budgets, names = [b for b, _ in reports], [n for _, n in reports]
+    fp = rank_footprint(ckpt, config, me.world, cache_mode, dtype)
+    tokens = fit_context(fp, budgets, names, requested, config.max_position_embeddings)
+    return RankMemory(fp, tuple(budgets), tuple(names), tokens)
+
+
 # ----------------------------------------------------------------------------------------------- rank 0 and the rest
 
-FORWARD, STOP = 1, 2
-HEADER = 10     # cmd, cache id, n_pages, page_size, cache mode, T, B, table width, logit rows (-1: all), freed ids
+FORWARD, REPLAY, STOP = 1, 2, 3
+# the header: command; the cache (id, pages, page size, mode); the batch (tokens, sequences, page-table width,
+# logit rows or -1: all); how many freed cache ids follow the batch; for REPLAY the graph (batch size, page-table
+# width, trash page)
+HEADER = 13
 MODES = list(CACHE_MODES)
 
 
@@ -392,8 +523,8 @@ class Channel:
 
 
 def _payload_size(h: list[int]) -> int:
-    cmd, _, _, _, _, t, b, width, rows, freed = h
-    return 0 if cmd != FORWARD else 3 * t + 2 * b + 1 + b * width + max(rows, 0) + freed
+    cmd, _, _, _, _, t, b, width, rows, freed = h[:10]
+    return 0 if cmd == STOP else 3 * t + 2 * b + 1 + b * width + max(rows, 0) + freed
 
 
 def _pack(batch: Batch, freed: list[int]) -> Tensor:
@@ -401,33 +532,48 @@ def _pack(batch: Batch, freed: list[int]) -> Tensor:
              batch.block_tables.flatten()]
     if batch.logit_rows is not None:
         parts.append(batch.logit_rows)
-    return torch.cat([p.to("cpu", torch.int64) for p in parts] + [torch.tensor(freed, dtype=torch.int64)])
+    packed = torch.cat([p.to(torch.int64) for p in parts]).cpu()          # one copy to the host
+    return torch.cat([packed, torch.tensor(freed, dtype=torch.int64)])
 
 
 def _unpack(h: list[int], payload: Tensor, device: torch.device) -> tuple[Batch, list[int]]:
-    _, _, _, page_size, _, t, b, width, rows, freed = h
-    sizes = [t, t, t, b + 1, b, b * width, max(rows, 0), freed]
-    ids, pos, slots, cu, lens, tables, logit_rows, free = payload.split(sizes)
-    batch = Batch(ids.to(device), pos.to(device), slots.to(device), cu.to(device, torch.int32),
-                  lens.to(device, torch.int32), tables.view(b, width).to(device, torch.int32),
-                  None if rows < 0 else logit_rows.to(device), page_size)
+    _, _, _, page_size, _, t, b, width, rows, freed = h[:10]
+    sizes = [t, t, t, b + 1, b, b * width, max(rows, 0)]
+    inputs, free = payload.split([sum(sizes), freed])
+    ids, pos, slots, cu, lens, tables, logit_rows = inputs.to(device).split(sizes)      # one copy over
+    batch = Batch(ids, pos, slots, cu.to(torch.int32), lens.to(torch.int32), tables.view(b, width).to(torch.int32),
+                  None if rows < 0 else logit_rows, page_size)
     return batch, free.tolist()
 
 
 class TensorParallelModel:
-    """Rank 0's model: a Model's interface; each forward is announced to the other ranks, then run by all."""
+    """Rank 0's model: a Model's interface; each forward (and each decode-graph replay) is announced to the other
+    ranks, then run by all."""
 
-    def __init__(self, local: model.Model, channel: Channel, processes: list = ()):
-        self.local, self.channel = local, channel
+    def __init__(self, local: model.Model, channel: Channel, processes: list = (), memory: RankMemory | None = None):
+        """memory: the plan the ranks loaded by (None on the CPU, where nothing is planned)."""
+        self.local, self.channel, self.memory = local, channel, memory
         self.config, self.device, self.dtype = local.config, local.device, local.dtype
         self.block_devices, self.output_device = local.block_devices, local.output_device
-        self.can_capture_graphs = False
+        self.can_capture_graphs = True          # every rank captures the same steps over its shard, in lockstep
         self._ids: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
         self._next_id = 0
-        self._freed: list[int] = []         # ids of rank 0's caches collected since the last forward
-        self._closer = weakref.finalize(self, _stop, channel, list(processes))
+        self._freed: list[int] = []             # ids of rank 0's caches collected since the last announcement
+        self._graphs: weakref.WeakSet[DecodeGraphs] = weakref.WeakSet()
+        self._closer = weakref.finalize(self, _stop, channel, list(processes), self._graphs)
 
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
+        self.announce(cache, batch)
+        return self.local.forward(batch, cache)
+
+    def decode_graphs(self, cache: KVCache, max_pages: int, trash_page: int) -> "AnnouncedGraphs":
+        graphs = DecodeGraphs(self.local, cache, max_pages, trash_page)
+        self._graphs.add(graphs)
+        return AnnouncedGraphs(self, graphs)
+
+    def announce(self, cache: KVCache, batch: Batch, graph: tuple[int, int, int] | None = None) -> None:
+        """Tells the other ranks to run batch over their mirror of cache: eagerly, or (graph = (batch size,
+        page-table width, trash page)) by replaying their graph of that step."""
         cid = self._ids.get(cache)
         if cid is None:
             self._next_id += 1
@@ -436,17 +582,37 @@ class TensorParallelModel:
         freed = self._freed[:]
         self._freed.clear()
         rows = -1 if batch.logit_rows is None else batch.logit_rows.numel()
-        header = [FORWARD, cid, cache.pool.n_pages, cache.page_size, MODES.index(cache.mode),
-                  batch.input_ids.numel(), batch.n_seqs, batch.block_tables.shape[1], rows, len(freed)]
+        header = [FORWARD if graph is None else REPLAY, cid, cache.pool.n_pages, cache.page_size,
+                  MODES.index(cache.mode), batch.input_ids.numel(), batch.n_seqs, batch.block_tables.shape[1], rows,
+                  len(freed), *(graph or (0, 0, 0))]
         self.channel.send(header, _pack(batch, freed))
-        return self.local.forward(batch, cache)
 
     def close(self) -> None:
         """Lets the other ranks finish (also done when this object is collected, or at exit)."""
         self._closer()
 
 
-def _stop(channel: Channel, processes: list) -> None:
+class AnnouncedGraphs:
+    """Rank 0's decode graphs: each replay is announced first, so every rank replays (or, at a size's first use,
+    captures) the same step."""
+
+    def __init__(self, model: TensorParallelModel, graphs: DecodeGraphs):
+        self.model, self.graphs = model, graphs
+
+    def run(self, size: int, batch: Batch) -> Tensor:
+        g = self.graphs
+        self.model.announce(g.cache, batch, (size, g.max_pages, g.trash_page))
+        return g.run(size, batch)
+
+
+def _reset(graphs) -> None:
+    for g in list(graphs):
+        for graph in g.by_size.values():
+            graph.reset()
+
+
+def _stop(channel: Channel, processes: list, graphs) -> None:
+    _reset(graphs)          # captured collectives would keep NCCL's communicator from being destroyed
     channel.send([STOP] + [0] * (HEADER - 1), torch.empty(0, dtype=torch.int64))
     for p in processes:
         p.join(timeout=60)
@@ -454,19 +620,33 @@ def _stop(channel: Channel, processes: list) -> None:
 
 
 def follow(local: model.Model, channel: Channel) -> None:
-    """A follower's loop: run every forward rank 0 announces, on a mirror of each of its caches, until STOP."""
+    """A follower's loop: run every forward and replay every decode graph rank 0 announces, on a mirror of each
+    of rank 0's caches (and of its graphs over it), until STOP."""
     caches: dict[int, KVCache] = {}
-    while True:
-        h, payload = channel.receive()
-        if h[0] == STOP:
-            return
-        batch, freed = _unpack(h, payload, local.device)
-        for cid in freed:
-            caches.pop(cid, None)
-        cid, n_pages, page_size, mode = h[1:5]
-        if cid not in caches:
-            caches[cid] = KVCache(local.config, n_pages, page_size, MODES[mode], local.device, local.dtype)
-        local.forward(batch, caches[cid])
+    graphs: dict[tuple[int, int, int], DecodeGraphs] = {}       # (cache id, page-table width, trash page)
+    try:
+        while True:
+            h, payload = channel.receive()
+            if h[0] == STOP:
+                return
+            batch, freed = _unpack(h, payload, local.device)
+            for cid in freed:
+                caches.pop(cid, None)
+                for key in [key for key in graphs if key[0] == cid]:
+                    _reset([graphs.pop(key)])
+            cid, n_pages, page_size, mode = h[1:5]
+            if cid not in caches:
+                caches[cid] = KVCache(local.config, n_pages, page_size, MODES[mode], local.device, local.dtype)
+            if h[0] == FORWARD:
+                local.forward(batch, caches[cid])
+                continue
+            size, max_pages, trash_page = h[10:13]
+            key = (cid, max_pages, trash_page)
+            if key not in graphs:
+                graphs[key] = DecodeGraphs(local, caches[cid], max_pages, trash_page)
+            graphs[key].run(size, batch)
+    finally:
+        _reset(graphs.values())
 
 
 # ----------------------------------------------------------------------------------------------- processes
@@ -478,9 +658,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launched_rank() -> int | None:
+    """This process's rank when torchrun (or any launcher setting RANK) started it, else None."""
+    return int(os.environ["RANK"]) if "RANK" in os.environ else None
+
+
 def join_group(rank: int, world: int, device_type: str, init_method: str) -> tuple[Rank, Channel]:
     """Starts torch.distributed for this process: NCCL (multicast off) on GPUs, gloo on CPU, plus the gloo
-    control channel. Rank r uses cuda:LOCAL_RANK (torchrun) or cuda:r."""
+    control channel. Rank r uses cuda:LOCAL_RANK (torchrun) or cuda:r. On GPUs the NCCL communicator is made
+    and used once here: a collective captured in a CUDA graph needs it to exist already."""
     if device_type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"        # never NVLink multicast (NVLS); must precede NCCL's start
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -488,24 +674,42 @@ def join_group(rank: int, world: int, device_type: str, init_method: str) -> tup
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT,
+                            device_id=device if device_type == "cuda" else None)
+    if device_type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
     control = dist.new_group(backend="gloo", timeout=CONTROL_IDLE)
     return Rank(rank, world, device), Channel(control)
 
 
-def follower_main(path: str, rank: int, world: int, device_type: str, init_method: str, dtype: torch.dtype) -> None:
-    """A spawned rank's whole life: join, load its shard, follow rank 0, leave."""
+def load_rank(path: Path, me: Rank, channel: Channel, dtype: torch.dtype, config: ModelConfig,
+              requested: int | None, cache_mode: str) -> tuple[model.Model, RankMemory | None]:
+    """Every rank: the memory plan (on GPUs; all ranks decide alike), then its shard."""
+    memory = None
+    if me.device.type == "cuda":
+        memory = plan_memory(formats.open_checkpoint(path), config, me, channel, requested, cache_mode, dtype)
+    return load_shard(path, me, dtype, config), memory
+
+
+def follower_main(path: str, rank: int, world: int, device_type: str, init_method: str, dtype: torch.dtype,
+                  requested: int | None, cache_mode: str) -> None:
+    """A spawned rank's whole life: join, plan, load its shard, follow rank 0, leave. A plan that does not fit
+    ends it quietly: rank 0 reached the same verdict and reports it."""
     me, channel = join_group(rank, world, device_type, init_method)
-    local = load_shard(path, me, dtype)
     try:
+        local, _ = load_rank(Path(path), me, channel, dtype, ModelConfig.from_dir(path), requested, cache_mode)
         follow(local, channel)
+    except OutOfMemoryPlanError:
+        pass
     finally:
         dist.destroy_process_group()
 
 
 def from_pretrained(cls, path, world: int, device, max_seq_len: int | None, cache_mode: str, dtype, **hf_kwargs):
     """ExlForCausalLM.from_pretrained(..., tensor_parallel=world). Under torchrun (RANK / WORLD_SIZE set) this
-    process joins that group; otherwise it is rank 0 and starts ranks 1..world-1 itself."""
+    process joins that group; otherwise it is rank 0 and starts ranks 1..world-1 itself. On GPUs every rank's
+    share is planned against its GPU's free memory before anything is loaded."""
     from .hf import _hf_loading_arguments, default_dtype, load_tokenizer
     device, dtype = _hf_loading_arguments(device, dtype, hf_kwargs)
     dtype = dtype or default_dtype(device)
@@ -513,29 +717,39 @@ def from_pretrained(cls, path, world: int, device, max_seq_len: int | None, cach
     config = ModelConfig.from_dir(path)
     check_mode(cache_mode, local_config(config, world) if config.n_kv_heads % world == 0 else config)
     check_shardable(formats.open_checkpoint(path), config, world)
-    if device.type == "cuda" and torch.cuda.device_count() < world and "RANK" not in os.environ:
+    if max_seq_len is not None and max_seq_len <= 0:
+        raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
+    if device.type == "cuda" and torch.cuda.device_count() < world and launched_rank() is None:
         raise ConfigError(f"tensor_parallel={world} needs {world} GPUs; {torch.cuda.device_count()} are visible")
     processes = []
-    if "RANK" in os.environ:
-        rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if launched != world:
-            raise ConfigError(f"tensor_parallel={world} but torchrun started WORLD_SIZE={launched} processes")
+    rank = launched_rank()
+    if rank is not None:
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ConfigError(f"tensor_parallel={world} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} "
+                              f"processes")
         init_method = "env://"
     else:
         rank, init_method = 0, f"tcp://127.0.0.1:{free_port()}"
         spawn = torch.multiprocessing.get_context("spawn")
         for r in range(1, world):
-            p = spawn.Process(target=follower_main, args=(str(path), r, world, device.type, init_method, dtype),
-                              daemon=True)
+            p = spawn.Process(target=follower_main, args=(str(path), r, world, device.type, init_method, dtype,
+                                                          max_seq_len, cache_mode), daemon=True)
             p.start()
             processes.append(p)
     me, channel = join_group(rank, world, device.type, init_method)
-    local = load_shard(path, me, dtype, config)
+    try:
+        local, memory = load_rank(path, me, channel, dtype, config, max_seq_len, cache_mode)
+    except BaseException:
+        dist.destroy_process_group()
+        for p in processes:
+            p.join(timeout=60)
+        raise
     if rank != 0:
         try:
             follow(local, channel)
         finally:
             dist.destroy_process_group()
         raise SystemExit(0)
-    return cls(TensorParallelModel(local, channel, processes), load_tokenizer(path), path,
-               max_seq_len or config.max_position_embeddings, cache_mode)
+    tokens = memory.tokens if memory is not None else max_seq_len or config.max_position_embeddings
+    return cls(TensorParallelModel(local, channel, processes, memory), load_tokenizer(path), path, tokens,
+               cache_mode)

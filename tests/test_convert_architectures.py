@@ -7,6 +7,7 @@ sanely; GPTQ output where the runtime can load it."""
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from exl_backends import ExlForCausalLM, formats, reference
 from exl_backends.config import ARCHITECTURES, ModelConfig
-from exl_backends.convert import forward
+from exl_backends.convert import forward, gptq, measure
 from exl_backends.convert.job import Job
 from exl_backends.convert.pipeline import ConvertOptions, convert, written_bpw
+from exl_backends.convert.qparams import distinct
 from exl_backends.errors import UnsupportedArchitectureError
 from exl_backends.evaluate import Scores, score
 from exl_backends.tensors import TensorStore
@@ -205,6 +207,45 @@ def test_expert_hessians_see_only_their_routed_tokens(tmp_path):
     assert hessians[router].tokens == 64
     e0 = x[(selected == 0).any(-1)]
     torch.testing.assert_close(hessians["model.layers.0.block_sparse_moe.experts.0.w1"].sum, e0.T @ e0)
+
+
+def test_moe_measurement_holds_one_experts_trial_weights_and_gives_the_whole_layer_errors(tmp_path, monkeypatch):
+    """The MoE measurement quantizes and runs the experts one at a time: the fake-quantized trial weights alive
+    at once peak at one expert's (counted as they are made and freed), every expert's are made, and the
+    accuracies are exactly those of running the whole sub-layer with every expert's trial weights in place
+    (the measurement before the experts were taken one by one). Three rows in chunks of two, so the
+    accumulation spans chunks."""
+    src = build(tmp_path / "src", "mixtral")
+    config = ModelConfig.from_dir(src)
+    ctx = forward.Context.build(config, 32, torch.device("cpu"))
+    layer = forward.load_layer(formats.open_checkpoint(src), config, 0, torch.device("cpu"))
+    mlp = forward.sublayers(config, 0)[1]
+    states = torch.randn(3, 32, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(forward, "CHUNK_TOKENS", 64)
+    live, peak, made = [0], [0], [0]
+
+    def counting_quantize(*args):
+        results = gptq.quantize(*args)
+        for r in results:
+            live[0] += r.weight.nbytes
+            made[0] += r.weight.nbytes
+            weakref.finalize(r.weight, lambda n=r.weight.nbytes: live.__setitem__(0, live[0] - n))
+        peak[0] = max(peak[0], live[0])
+        return results
+
+    monkeypatch.setattr(measure, "quantize", counting_quantize)
+    entries, y = measure.measure_sublayer(mlp, states, layer, ctx)
+    one_expert = sum(len(distinct(mlp.candidates, pos)) * k * n * 2
+                     for pos, (_, k, n, _) in enumerate(role.linears[0] for role in mlp.roles))
+    assert (peak[0], made[0], live[0]) == (one_expert, 4 * one_expert, 0)
+
+    monkeypatch.undo()
+    hessians = forward.input_hessians(mlp, layer, ctx.device)
+    y_ref = forward.run(mlp, states, layer, ctx, hessians)
+    whole = measure._errors(mlp, states, y_ref, layer, ctx, measure.trial_weights(mlp, layer, hessians))
+    assert torch.equal(y, y_ref)
+    assert [e["accuracy"] for e in entries] == [max(1e-6, 1.0 - err) for err in whole]
+    assert len(set(whole)) > 10 and 0 < min(whole)     # candidates differ (some coincide at K 64, e.g. g64 vs g128)
 
 
 def test_an_expert_no_token_reaches_still_quantizes_sanely(tmp_path, cal):

@@ -1,10 +1,15 @@
-"""Tensor parallelism: shards of EXL2 and GPTQ weights against slices of the full weight, and 2 CPU processes
-(gloo) running sharded attention, MLP and whole models against the single-process reference."""
+"""Tensor parallelism: shards of EXL2 and GPTQ weights against slices of the full weight; 2 CPU processes (gloo)
+running sharded attention, MLP and whole models against the single-process reference, and the decode-graph
+protocol (rank 0 announces each replay, rank 1 replays its own graph; DecodeGraph's CPU stand-in); each rank's
+memory plan against loaded shards and synthetic GPU sizes; `exl serve` under a torchrun-style launch. On two
+GPUs: logits and tokens (graph replay, eager, one GPU) and the plan's refusal."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -169,6 +174,175 @@ def test_cli_generate_with_tensor_parallel_2_gives_the_same_greedy_text(dirs, ca
     assert run.stdout == single and len(single) > len("ab cd")
 
 
+# ----------------------------------------------------------------------------------------------- decode graphs
+
+
+def greedy(m, eager: bool, steps: int = 5) -> tuple[list[list[int]], torch.Tensor, list[int]]:
+    """Three prompts prefilled, then greedy decode steps through a Runner (the second sequence stops after two
+    steps, so batches of 3 and then 2 run: graph sizes 4 and 2, padding rows included). Returns the tokens, the
+    last step's logits and the graph sizes used (a q8 cache: codes per head, alike on every rank)."""
+    from exl_backends.runner import Runner
+    cache = KVCache(m.config, 7, 256, "q8", dtype=torch.float32)
+    runner = Runner(m, cache, max_batch=4, max_pages=2, eager=eager)
+    prompts = [list(range(3, 40)), [7, 8, 9, 400], [11, 12, 13, 14, 15, 16]]
+    pages = [cache.pool.allocate(2) for _ in prompts]
+    first = runner.forward(Batch.build([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], 256))
+    tokens = [[t] for t in first.argmax(-1).tolist()]
+    live = [0, 1, 2]
+    for step in range(steps):
+        if step == 2:
+            live.remove(1)
+        chunks = [SeqChunk([tokens[i][-1]], len(prompts[i]) + len(tokens[i]) - 1, pages[i]) for i in live]
+        logits = runner.forward(Batch.build(chunks, 256))
+        for i, t in zip(live, logits.argmax(-1).tolist()):
+            tokens[i].append(t)
+    graphs = runner.graphs
+    sizes = [] if graphs is None else sorted(getattr(graphs, "graphs", graphs).by_size)
+    return tokens, logits, sizes
+
+
+def graph_worker(rank: int, world: int, init_method: str, path: str, out_file: str) -> None:
+    """Rank 0 decodes through a Runner over the TensorParallelModel (graph stand-ins, then eagerly) and runs
+    `exl bench`'s report; rank 1 follows."""
+    from exl_backends import bench
+    torch.set_num_threads(1)
+    me, channel = parallel.join_group(rank, world, "cpu", init_method)
+    local = parallel.load_shard(path, me, torch.float32)
+    if rank != 0:
+        parallel.follow(local, channel)
+        torch.distributed.destroy_process_group()
+        return
+    tp = parallel.TensorParallelModel(local, channel)
+    out = {"graphs": greedy(tp, eager=False), "eager": greedy(tp, eager=True)}
+    bench.copy_bandwidth = lambda device: 1e9                  # the bound's arithmetic, not a 2 GiB copy
+    out["bench"] = bench.report(tp, [16], "fp16", [32])
+    torch.save(out, out_file)
+    tp.close()
+
+
+def test_decode_graph_steps_are_mirrored_on_every_rank(dirs, tmp_path):
+    """The graph path's protocol on CPU (DecodeGraph's eager stand-in): rank 0 announces each replay with its
+    batch size and inputs, rank 1 replays its own graph of the same size; tokens equal eager TP and one process."""
+    out_file = str(tmp_path / "rank0.pt")
+    run_ranks(graph_worker, (str(dirs["exl2"]), out_file))
+    got = torch.load(out_file)
+    one = Model.load(dirs["exl2"])
+    ref_tokens, ref_logits, _ = greedy(one, eager=True)
+    tokens, logits, sizes = got["graphs"]
+    assert sizes == [2, 4]                       # batches of 3 and 2, padded up
+    assert tokens == got["eager"][0] == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["eager"][1], ref_logits, rtol=1e-4, atol=1e-4)
+    assert "tensor parallel over 2 GPUs" in got["bench"] and "decode ctx 16" in got["bench"]
+
+
+# ----------------------------------------------------------------------------------------------- memory plan
+
+
+def shard_bytes(m: Model) -> int:
+    """Every weight tensor a loaded shard keeps (embedding, norms, linears, head), as the planner counts them."""
+    c = m.config
+    linears = [x for b in m.blocks for x in (b.attention.q, b.attention.k, b.attention.v, b.attention.o,
+                                              b.mlp.gate, b.mlp.up, b.mlp.down)]
+    norms = (2 * c.n_layers + 1) * c.hidden_size * m.dtype.itemsize
+    return m.embed.numel() * m.embed.element_size() + norms + sum(x.nbytes() for x in linears) + m.lm_head.nbytes()
+
+
+@pytest.mark.parametrize("name", ["fp16", "exl2", "gptq"])
+def test_rank_footprint_covers_each_loaded_shard(dirs, name):
+    from exl_backends import formats, planner
+    config, ckpt = ModelConfig.from_dir(dirs[name]), formats.open_checkpoint(dirs[name])
+    fp = parallel.rank_footprint(ckpt, config, 2, "fp16", torch.float16)
+    for r in range(2):
+        loaded = shard_bytes(parallel.load_shard(dirs[name], parallel.Rank(r, 2, torch.device("cpu")),
+                                                 torch.float16))
+        if name == "fp16":          # dense: the shares are exact (the planner rounds up by a byte at most)
+            assert 0 <= fp.tensor_bytes - loaded < 64
+        else:                       # quantized: an upper bound (row cuts get an allowance)
+            assert loaded <= fp.tensor_bytes < 1.5 * loaded
+    mode = "fp16" if name == "fp16" else "q8"       # each rank's cache holds half the kv heads
+    whole = planner.footprint(ckpt, config, mode, torch.float16)
+    assert parallel.rank_footprint(ckpt, config, 2, mode, torch.float16).bytes_per_token * 2 == whole.bytes_per_token
+
+
+def test_tensor_parallel_plan_fits_refuses_and_shortens_per_gpu(dirs, caplog):
+    from exl_backends import formats
+    from exl_backends.errors import OutOfMemoryPlanError
+    config, ckpt = ModelConfig.from_dir(dirs["exl2"]), formats.open_checkpoint(dirs["exl2"])
+    fp = parallel.rank_footprint(ckpt, config, 2, "fp16", torch.float16)
+    names = ["cuda:0 = GPU 0 (PCI 0000:01:00)", "cuda:1 = GPU 1 (PCI 0000:02:00)"]
+    need_512, need_256 = fp.plan(512).total, fp.plan(256).total
+    roomy = [need_512 + 10**6, need_512 + 10**9]
+    assert parallel.fit_context(fp, roomy, names, 512, 2048) == 512
+    tight = [need_512 + 10**6, need_256 + 100]       # GPU 1 holds 256 tokens only: it decides
+    with pytest.raises(OutOfMemoryPlanError) as e:
+        parallel.fit_context(fp, tight, names, 512, 2048)
+    msg = str(e.value)
+    assert re.search(r"cuda:0 = GPU 0 \(PCI 0000:01:00\): [\d.]+ GiB free, fits", msg)
+    assert re.search(r"cuda:1 = GPU 1 \(PCI 0000:02:00\): [\d.]+ GiB free, short by", msg)
+    assert "max_seq_len=256" in msg
+    assert parallel.fit_context(fp, tight, names, None, 2048) == 256          # no request: shortened
+    assert "shortened from 2048 to 256" in caplog.text
+    with pytest.raises(OutOfMemoryPlanError, match="tensor_parallel=2"):
+        parallel.fit_context(fp, [need_256 // 2] * 2, names, None, 2048)
+
+
+# ----------------------------------------------------------------------------------------------- serve under torchrun
+
+
+def test_serve_followers_never_bind(monkeypatch):
+    from exl_backends.server.serve import ServeOptions, is_follower
+    o = ServeOptions(REPO, tensor_parallel=2)
+    monkeypatch.delenv("RANK", raising=False)
+    assert not is_follower(o)                       # started by hand: rank 0, which spawns the others
+    monkeypatch.setenv("RANK", "0")
+    assert not is_follower(o)
+    monkeypatch.setenv("RANK", "1")
+    assert is_follower(o) and not is_follower(ServeOptions(REPO))
+
+
+def test_exl_serve_under_a_torchrun_launch_serves_from_rank_0(dirs, tmp_path):
+    """Two processes started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK), each
+    running `exl serve --tensor-parallel 2`: rank 0 answers with the single-process greedy text; rank 1 never
+    binds; stopping rank 0 ends both."""
+    import signal
+
+    import httpx
+
+    from exl_backends import ExlForCausalLM, Generator, SamplingParams
+    port, master = parallel.free_port(), parallel.free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(master), HOME=str(tmp_path))
+    cmd = [sys.executable, "-m", "exl_backends.cli", "serve", "-m", str(dirs["exl2"]), "--device", "cpu",
+           "--tensor-parallel", "2", "--port", str(port), "--no-auth", "--max-seq-len", "256",
+           "--max-batch-size", "2"]
+    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json=dict(model="exl2", prompt="ab cd", max_tokens=8, temperature=0))
+        one = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cpu", max_seq_len=256)
+        want = Generator(one).generate("ab cd", max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+        procs[0].send_signal(signal.SIGINT)
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+        assert [p.returncode for p in procs] == [130, 0], outputs        # rank 0: Ctrl-C's code; rank 1: done
+        assert "cannot listen" not in outputs[1] and str(port) not in outputs[1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 # ----------------------------------------------------------------------------------------------- two GPUs
 
 
@@ -187,3 +361,43 @@ def test_gpu_tensor_parallel_logits_and_tokens_equal_one_gpu(dirs, cache_mode):
     assert Generator(one).generate(prompt, max_new_tokens=8).token_ids == \
         Generator(tp).generate(prompt, max_new_tokens=8).token_ids
     tp.model.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
+def test_gpu_tensor_parallel_graph_replay_equals_eager_and_one_gpu(dirs, cache_mode):
+    """Decode under TP replays CUDA graphs on both ranks (NCCL all-reduces captured inside): a batch of three
+    greedy jobs of different lengths (graph size 4, then 2 and 1 as they finish, unless an EOS ends one sooner)
+    gives the tokens eager TP and one GPU give."""
+    from exl_backends import ExlForCausalLM, Generator
+    from exl_backends.runner import DecodeGraphs
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40))]
+    lengths = [12, 4, 8]
+
+    def decode(model, graphs: bool):
+        gen = Generator(model, max_batch_size=4, cuda_graphs=graphs)
+        jobs = [gen.submit(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+        return gen, [job.result().token_ids for job in jobs]
+    one = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda:0", max_seq_len=256, cache_mode=cache_mode)
+    tp = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda", max_seq_len=256, cache_mode=cache_mode,
+                                        tensor_parallel=2)
+    graphed, replayed = decode(tp, True)
+    assert graphed.runner.use_graphs and isinstance(graphed.runner.graphs.graphs, DecodeGraphs)
+    sizes = set(graphed.runner.graphs.graphs.by_size)
+    assert 4 in sizes and sizes <= {1, 2, 4}
+    _, eager = decode(tp, False)
+    _, single = decode(one, True)
+    assert replayed == eager == single
+    tp.model.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_tensor_parallel_plan_refuses_with_both_gpus_numbers(dirs):
+    """A context far past what either GPU holds: every rank reaches the same verdict before loading."""
+    from exl_backends import ExlForCausalLM
+    from exl_backends.errors import OutOfMemoryPlanError
+    with pytest.raises(OutOfMemoryPlanError) as e:
+        ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda", max_seq_len=2**31, tensor_parallel=2)
+    assert "cuda:0 = GPU" in str(e.value) and "cuda:1 = GPU" in str(e.value)

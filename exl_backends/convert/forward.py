@@ -128,7 +128,7 @@ class CalibLinear:
         return reference.linear(x, self.weight, self.bias)
 
 
-class _Loader(model._Loader):
+class _Loader(model.Loader):
     """model.py's loader (norm offsets folded in as the runtime folds them) with every linear a CalibLinear,
     dequantized when the checkpoint is quantized, kept by key."""
 
@@ -179,7 +179,7 @@ class Layer:
 def load_layer(ckpt: formats.Checkpoint, config: ModelConfig, i: int, device: torch.device) -> Layer:
     """Layer i from any checkpoint the runtime reads (fp16 source, or quantized output: dequantized)."""
     loader = _Loader(ckpt, config, device)
-    block = model._load_block(loader, config, i)
+    block = model.load_block(loader, config, i)
     return Layer(block, loader.linears, sublayers(config, i))
 
 
@@ -236,10 +236,18 @@ def _attention(x: Tensor, block: Block, ctx: Context) -> Tensor:
 
 def _mlp(x: Tensor, block: Block, ctx: Context) -> Tensor:
     """Model.forward's MLP half: residual + mlp_out_norm(mlp(post_attn_norm(x)))."""
-    ops, eps = REFERENCE_OPS, ctx.config.rms_norm_eps
-    m = block.mlp(ops.rmsnorm(x, block.post_attn_norm, eps), ops)
+    return mlp_output(x, block.mlp(mlp_input(x, block, ctx), REFERENCE_OPS), block, ctx)
+
+
+def mlp_input(x: Tensor, block: Block, ctx: Context) -> Tensor:
+    """What the MLP reads: post_attn_norm(x). x [T, D]."""
+    return REFERENCE_OPS.rmsnorm(x, block.post_attn_norm, ctx.config.rms_norm_eps)
+
+
+def mlp_output(x: Tensor, m: Tensor, block: Block, ctx: Context) -> Tensor:
+    """The MLP half's output from the MLP's output m [T, D]: residual + mlp_out_norm(m)."""
     if block.mlp_out_norm is not None:
-        m = ops.rmsnorm(m, block.mlp_out_norm, eps)
+        m = REFERENCE_OPS.rmsnorm(m, block.mlp_out_norm, ctx.config.rms_norm_eps)
     return x + m
 
 

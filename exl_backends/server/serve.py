@@ -1,5 +1,9 @@
 """`exl serve`: bind the port (first: a busy port fails before minutes of loading), load the model, size the
-shared KV cache, build the app, print the banner, run uvicorn until Ctrl-C."""
+shared KV cache, build the app, print the banner, run uvicorn until Ctrl-C.
+
+Tensor parallel under torchrun: every process runs `exl serve --tensor-parallel N`; rank 0 serves as above, the
+other ranks never bind the port (nor print a banner or touch the API key): they load their shard and run rank 0's
+forward calls until rank 0 stops."""
 from __future__ import annotations
 
 import logging
@@ -52,14 +56,27 @@ def listen(host: str, port: int) -> socket.socket:
 
 def default_cache_tokens(model, model_dir: Path, max_batch_size: int) -> int:
     """CUDA: what the free memory holds after the weights (less the prefill scratch, the reserve and a share for
-    CUDA graphs), up to max_batch_size full contexts; CPU: one full context (pass --cache-tokens for more)."""
+    CUDA graphs), up to max_batch_size full contexts; CPU: one full context (pass --cache-tokens for more).
+    Tensor parallel: what the tightest GPU holds after its share of the weights (each rank's cache holds its kv
+    heads; model.exl_config is rank 0's view of them)."""
     if model.device.type != "cuda":
         return model.max_seq_len
-    fp = planner.footprint(formats.open_checkpoint(model_dir), model.exl_config, model.cache_mode, model.dtype)
-    free = planner.free_memory(model.device) - fp.scratch(planner.PREFILL_CHUNK) - planner.RESERVE_BYTES
+    memory = getattr(model.model, "memory", None)       # parallel.RankMemory: the plan the ranks loaded by
+    if memory is not None:
+        fp, free = memory.footprint, min(memory.budgets) - memory.footprint.weights
+    else:
+        fp = planner.footprint(formats.open_checkpoint(model_dir), model.exl_config, model.cache_mode, model.dtype)
+        free = planner.free_memory(model.device)
+    free -= fp.scratch(planner.PREFILL_CHUNK) + planner.RESERVE_BYTES
     per_token = bytes_per_token(model.exl_config, model.cache_mode, model.dtype.itemsize)
     fits = int(free * (1 - GRAPH_MEMORY_SHARE)) // per_token
     return max(model.max_seq_len, min(fits, max_batch_size * model.max_seq_len))
+
+
+def is_follower(o: ServeOptions) -> bool:
+    """A tensor-parallel rank other than 0 started by torchrun: it must not bind the port."""
+    from ..parallel import launched_rank
+    return (o.tensor_parallel or 1) > 1 and (launched_rank() or 0) > 0
 
 
 def serve(o: ServeOptions) -> None:
@@ -70,6 +87,11 @@ def serve(o: ServeOptions) -> None:
     from .app import create_app
     if o.no_auth and o.api_key:
         raise ConfigError("--api-key and --no-auth contradict each other: give one")
+    if is_follower(o):
+        # loads this rank's shard and runs rank 0's calls until rank 0 stops, then exits the process
+        ExlForCausalLM.from_pretrained(o.model, device=o.device, max_seq_len=o.max_seq_len, cache_mode=o.cache_mode,
+                                       tensor_parallel=o.tensor_parallel)
+        return
     key = None if o.no_auth else auth.ApiKey(o.api_key) if o.api_key else auth.load_or_create()
     sock = listen(o.host, o.port)
     model = ExlForCausalLM.from_pretrained(o.model, device=o.device, max_seq_len=o.max_seq_len,

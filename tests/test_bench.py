@@ -1,0 +1,71 @@
+"""`exl bench`'s accounting: the bytes a batch-1 decode step reads, for one model, a layer split, tensor-parallel
+shards and a mixture of experts (router + top_k experts), and the report's notes saying which."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from exl_backends import bench, parallel
+from exl_backends.model import Model, Stage
+
+from conftest import save_tiny, tiny_config
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    out = {"llama": root / "llama", "mixtral": root / "mixtral"}
+    save_tiny(out["llama"], tiny_config("llama", num_hidden_layers=3))
+    save_tiny(out["mixtral"], tiny_config("mixtral"), seed=1)
+    return out
+
+
+def stored(directory) -> dict[str, int]:
+    """Bytes of every tensor in the checkpoint (f32, as the CPU model keeps them)."""
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return {name: f.get_tensor(name).nbytes for name in f.keys()}
+
+
+def test_dense_model_reads_everything_but_the_embedding(dirs):
+    sizes = stored(dirs["llama"])
+    expected = sum(n for name, n in sizes.items() if "embed_tokens" not in name)
+    assert bench.weight_bytes(Model.load(dirs["llama"])) == expected
+
+
+def test_moe_reads_the_router_and_top_k_experts(dirs):
+    sizes = stored(dirs["mixtral"])
+    m = Model.load(dirs["mixtral"])
+    experts, top_k = len(m.blocks[0].mlp.experts), m.blocks[0].mlp.top_k         # 4, 2
+    expert = sum(n for name, n in sizes.items() if ".layers.0." in name and ".experts.0." in name)
+    everything = sum(n for name, n in sizes.items() if "embed_tokens" not in name)
+    assert bench.weight_bytes(m) == everything - len(m.blocks) * (experts - top_k) * expert
+    assert any("top_k=2 of its 4 experts" in note for note in bench.notes(m))
+
+
+def test_layer_split_reads_what_the_whole_model_reads(dirs):
+    cpu = torch.device("cpu")
+    whole = Model.load(dirs["llama"])
+    split = Model.load(dirs["llama"], stages=[Stage(cpu, range(0, 1)), Stage(cpu, range(1, 3))])
+    assert bench.weight_bytes(split) == bench.weight_bytes(whole)
+    assert any("layer split over 2 devices" in note for note in bench.notes(split))
+    assert bench.notes(whole) == []
+
+
+def test_tensor_parallel_shards_split_the_bytes(dirs):
+    """Both ranks' shards read the whole model's bytes between them, plus the norms every rank keeps."""
+    whole = Model.load(dirs["llama"])
+    shards = [parallel.load_shard(dirs["llama"], parallel.Rank(r, 2, torch.device("cpu")), torch.float32)
+              for r in range(2)]
+    norms = sum(t.numel() * 4 for b in whole.blocks for t in (b.input_norm, b.post_attn_norm)) + whole.norm.numel() * 4
+    assert sum(bench.weight_bytes(s) for s in shards) == bench.weight_bytes(whole) + norms
+    assert bench.weight_bytes(shards[0]) < 0.6 * bench.weight_bytes(whole)
+
+
+def test_report_runs_on_a_split_moe_model(dirs, monkeypatch):
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)     # not a 2 GiB copy on the CPU
+    cpu = torch.device("cpu")
+    m = Model.load(dirs["mixtral"], stages=[Stage(cpu, range(0, 1)), Stage(cpu, range(1, 2))])
+    text = bench.report(m, [16], "fp16", [24])
+    assert "layer split over 2 devices" in text and "mixture of experts" in text
+    assert "prefill 24" in text and "decode ctx 16 (fp16)" in text
