@@ -2,7 +2,8 @@
 copy, whose Mixtral / Qwen3-MoE experts take the expert-indexed MoE kernels), prefill and 16 decode steps through a
 paged cache far past the sliding window of 8, eagerly and with the decode steps replayed from CUDA graphs
 (runner.Runner). The kernels cover every trait these need: windows, attention and final soft-caps, GELU-tanh, MoE,
-q/k norms, Gemma's 1 + w norms (folded at load), local ropes, Phi-3's fused projections."""
+q/k norms, Gemma's 1 + w norms (folded at load), local ropes, Phi-3's fused projections. Gemma 2 and 3 also run at
+their real checkpoints' head_dim 256 (the attention kernels' warp-pair variants)."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,6 +18,7 @@ from exl_backends.config import ModelConfig
 from exl_backends.model import Model, missing_ops
 from exl_backends.runner import Runner
 
+import test_architectures
 from quant_helpers import rel_err
 from test_architectures import build, quantized_copy
 from test_model import DECODE, PREFILL
@@ -25,6 +27,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None, reason="needs CUDA and CuPy")]
 
 NAMES = ["qwen3", "gemma2", "gemma3", "phi3", "mistral-window", "mixtral", "qwen3-moe"]   # test_architectures.VARIANTS
+# the Gemma variants at head_dim 256, with query_pre_attn_scalar 144 (not 256) so that a scale taken from head_dim
+# would show
+HEAD_DIM_256 = {f"{name}-d256": name for name in ("gemma2", "gemma3")}
 PAGE = 32                        # the CUDA attention kernels need pages of a multiple of 32 tokens
 TOLERANCE = 1e-2                 # as tests/test_gpu_model.py: fp16 activations against the f32 reference
 
@@ -33,9 +38,14 @@ TOLERANCE = 1e-2                 # as tests/test_gpu_model.py: fp16 activations 
 def checkpoints(tmp_path_factory):
     """name -> {"fp16": dir, "exl2": dir}, built once per module."""
     out = {}
-    for name in NAMES:
+    for name in NAMES + list(HEAD_DIM_256):
         root = tmp_path_factory.mktemp(name)
-        build(root / "src", name, dtype=torch.float16)
+        with pytest.MonkeyPatch.context() as patch:
+            if name in HEAD_DIM_256:        # build() takes its variants from test_architectures.VARIANTS
+                family, overrides = test_architectures.VARIANTS[HEAD_DIM_256[name]]
+                patch.setitem(test_architectures.VARIANTS, name,
+                              (family, {**overrides, "head_dim": 256, "query_pre_attn_scalar": 144}))
+            build(root / "src", name, dtype=torch.float16)
         quantized_copy(root / "src", root / "exl2", "exl2")
         out[name] = {"fp16": root / "src", "exl2": root / "exl2"}
     yield out
@@ -57,10 +67,12 @@ def run(model: Model, ids: list[int], graphs: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("fmt", ["fp16", "exl2"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + list(HEAD_DIM_256))
 def test_gpu_logits_match_the_cpu_reference(checkpoints, name, fmt, graphs):
     path = checkpoints[name][fmt]
     config = ModelConfig.from_dir(path)
+    if name in HEAD_DIM_256:
+        assert config.head_dim == 256 and config.attn_scale == 144 ** -0.5
     from exl_backends.kernels import cuda_ops
     assert missing_ops(config, cuda_ops.OPS) == []
     ids = torch.randint(0, 509, (PREFILL + DECODE,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -18,6 +18,14 @@
 // flight at once), then with mma.m16n8k16 computes S = K Q^T (keys x 8 heads), the online softmax in f32, and
 // O^T += V^T P^T (dims x 8 heads), P rounded to fp16 through shared memory. The warps' states merge in shared memory.
 //
+// head_dim 256 (Gemma 2 and 3): whole rows would need twice the registers of head_dim 128 (which already take ~230),
+// so the warps pair up (Shape::DIM_PARTS 2). Warps 2s and 2s+1 form tile slot s and walk the tiles s, s+4, ...; warp
+// 2s+p reads only dims 128p .. 128p+127 of each key and value row (its lane shares, registers and fragments are
+// those of head_dim 128), computes its partial S over them, and the pair sums the two partial S through shared
+// memory (a named barrier per pair, double-buffered by tile parity). Both warps then hold the same S, softmax state
+// and P, and each accumulates O^T for its own 128 dims. The 4 tile slots merge as the 8 warps do otherwise. The
+// quantized layout needs nothing else: 128 dims are two whole 64-element rotation chunks and four scale groups.
+//
 // Fragments. Lane l = (g = l / 4, qd = l % 4). A mma sums over k in any order, so each lane loads wide, contiguous
 // pieces and the k index is mapped to whatever dims the pieces hold (the queries' B fragments the same way):
 //  - K (A of S, rows = keys): lane (g, qd) holds, of keys 8r + g, the quarter row made of 16-byte (or smaller)
@@ -49,7 +57,7 @@ using exl::mma_16816;
 constexpr int WARPS = 8;                // warps per block
 constexpr int THREADS = WARPS * 32;
 constexpr int HEADS = 8;                // query heads per block: the n of the mma
-constexpr int MIN_SPLIT = 256;          // keys: one round of 32-key tiles for the 8 warps
+constexpr int MIN_SPLIT = 256;          // keys: one round of 32-key tiles for the 8 warps (head_dim 256: two)
 constexpr int ALIGN = 32;               // split lengths are whole 32-key tiles; pages are multiples of 32
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -110,26 +118,34 @@ __device__ __forceinline__ unsigned code_pair(unsigned w, int sel, half2 scale) 
 // The widest load (16, 8 or 4 bytes) that a lane's share of `bytes` is made of (head_dim 96: 48 and 24 bytes).
 __host__ __device__ constexpr int piece(int bytes) { return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : 4; }
 
-// Compile-time shape of one (head_dim, K bits, V bits, keys per warp tile) variant.
+// Compile-time shape of one (head_dim, K bits, V bits, keys per warp tile) variant. Up to head_dim 128 a warp
+// takes whole key and value rows; above, the warps pair up (DIM_PARTS 2): both warps of a pair attend the same key
+// tile, each over its WARP_DIMS = DH/2 dims of K and V (its lane shares are the head_dim-128 variant's).
 template <int DH, int K_BITS, int V_BITS, int KT_>
 struct Shape {
     static constexpr int KT = KT_;                  // keys per warp tile (32 or 64)
-    static constexpr int STEPS = DH / 16;           // k steps of S = K Q^T, and m tiles of O^T = V^T P^T
+    static constexpr int DIM_PARTS = DH > 128 ? 2 : 1;          // warps per key tile
+    static constexpr int WARP_DIMS = DH / DIM_PARTS;            // dims of K and V a warp reads: part * WARP_DIMS on
+    static constexpr int TILE_SLOTS = WARPS / DIM_PARTS;        // key tiles a block attends at once
+    static constexpr int STEPS = WARP_DIMS / 16;    // k steps of S = K Q^T, and m tiles of O^T = V^T P^T
     static constexpr int M_TILES = KT / 16;         // 16-key m tiles of S = k steps of O^T
     static constexpr int K_ROWS = KT / 8;           // key rows per lane: 8r + g
-    static constexpr int K_BYTES = DH * K_BITS / 32;            // a lane's quarter of a key row
+    static constexpr int K_BYTES = WARP_DIMS * K_BITS / 32;     // a lane's quarter of a key row's part
     static constexpr int K_PIECE = piece(K_BYTES);
     static constexpr int K_PIECES = K_BYTES / K_PIECE;
     static constexpr int K_WORDS = K_BYTES / 4;
     static constexpr int K_PIECE_ELEMS = K_PIECE * 8 / K_BITS;
     static constexpr int V_KEYS = KT / 4;           // value rows per lane: 4 per 16-key step
-    static constexpr int V_BYTES = DH * V_BITS / 64;            // a lane's eighth of a value row
+    static constexpr int V_BYTES = WARP_DIMS * V_BITS / 64;     // a lane's eighth of a value row's part
     static constexpr int V_PIECE = piece(V_BYTES);
     static constexpr int V_PIECES = V_BYTES / V_PIECE;
     static constexpr int V_WORDS = V_BYTES / 4;
     static constexpr int V_PIECE_ELEMS = V_PIECE * 8 / V_BITS;
     static constexpr int P_ROW = KT + 8;            // halves per head row of P (+8: conflict-free fragment reads)
     static constexpr int CHUNKS = (DH + 63) / 64;   // 64-element chunks of an output row (lane: 2l, 2l+1 of each)
+    // DIM_PARTS 2: a warp's partial scores, per tile parity and warp, [M_TILES * 4][32 lanes] f32 (1: unused)
+    static constexpr int X_FLOATS = DIM_PARTS == 2 ? 2 * WARPS * M_TILES * 4 * 32 : 1;
+    static_assert(DIM_PARTS == 1 || WARP_DIMS % 64 == 0, "a part is whole 64-element rotation chunks");
     static_assert(K_BITS == 16 || (K_PIECES <= 2 && V_PIECES == 1), "a quantized piece lies in one scale group");
     static_assert(KT == 32 || KT == 64, "whole 32-key tiles");
     static_assert(K_PIECE_ELEMS % 4 == 0, "a k step takes 4 elements of one piece");
@@ -249,12 +265,21 @@ struct State {
     float acc[S::STEPS][4];
 };
 
+// Waits for the other warp of this warp's pair (named barrier 1 + warp/2; 0 is __syncthreads').
+__device__ __forceinline__ void pair_sync(int warp) {
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp >> 1)) : "memory");
+}
+
 // One tile: scores, online softmax, P through shared memory (p_w: this warp's [HEADS][P_ROW] halves), O^T += V^T P^T.
+// DIM_PARTS 2: the scores over this warp's dims are summed with its pair's through x ([2][WARPS][M_TILES*4][32] f32,
+// one half per tile parity: a warp writes one half while its pair may still read the other). The sum is the same
+// in both warps (f32 addition commutes), so both keep the same softmax state and P.
 template <int DH, int K_BITS, int V_BITS, int KT>
 __device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>& st,
                                             const Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile,
-                                            const unsigned (&qb)[DH / 16][2], half* p_w, int t0, int t_first,
-                                            int t_end, float scale_log2, float cap_in, float cap_out, int lane) {
+                                            const unsigned (&qb)[Shape<DH, K_BITS, V_BITS, KT>::STEPS][2],
+                                            half* p_w, float* x, int parity, int t0, int t_first, int t_end,
+                                            float scale_log2, float cap_in, float cap_out, int warp, int lane) {
     using S = Shape<DH, K_BITS, V_BITS, KT>;
     const int g = lane >> 2, qd = lane & 3;
     float sc[S::M_TILES][4];
@@ -266,6 +291,20 @@ __device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>
         for (int s = 0; s < S::STEPS; s++)
             mma_16816(sc[mt], k_fragment(tile, 2 * mt, s, 0), k_fragment(tile, 2 * mt + 1, s, 0),
                       k_fragment(tile, 2 * mt, s, 1), k_fragment(tile, 2 * mt + 1, s, 1), qb[s][0], qb[s][1]);
+    }
+    if constexpr (S::DIM_PARTS == 2) {
+        constexpr int WARP_FLOATS = S::M_TILES * 4 * 32;
+        float* mine = x + (parity * WARPS + warp) * WARP_FLOATS + lane;
+        const float* theirs = x + (parity * WARPS + (warp ^ 1)) * WARP_FLOATS + lane;
+#pragma unroll
+        for (int mt = 0; mt < S::M_TILES; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mine[(4 * mt + e) * 32] = sc[mt][e];
+        pair_sync(warp);
+#pragma unroll
+        for (int mt = 0; mt < S::M_TILES; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[mt][e] += theirs[(4 * mt + e) * 32];
     }
 
     // sc[mt][e]: key t0 + 16mt + 8(e/2) + g, head 2qd + e%2
@@ -351,15 +390,20 @@ __device__ __forceinline__ void paged_decode(
     constexpr int Q_PER_THREAD = (HEADS * DH + THREADS - 1) / THREADS;
     union Smem {
         float q[HEADS][DH];                  // staged queries (start)
-        half p[WARPS][HEADS * S::P_ROW];     // each warp's P tile (loop)
-        float acc[WARPS][HEADS][DH];         // each warp's sum of p * V (end)
+        struct {
+            half p[WARPS][HEADS * S::P_ROW]; // each warp's P tile (loop)
+            float x[S::X_FLOATS];            // DIM_PARTS 2: partial scores, see attend_tile
+        } loop;
+        float acc[S::TILE_SLOTS][HEADS][DH]; // each tile slot's sum of p * V (end)
     };
     __shared__ __align__(16) Smem smem;
-    __shared__ float m_s[WARPS][HEADS], l_s[WARPS][HEADS];
+    __shared__ float m_s[S::TILE_SLOTS][HEADS], l_s[S::TILE_SLOTS][HEADS];
     __shared__ bool last_s;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, qd = lane & 3;
+    const int slot = warp / S::DIM_PARTS, part = warp % S::DIM_PARTS;   // key tiles slot, slot + TILE_SLOTS, ...
+    const int dim0 = part * S::WARP_DIMS;                              // and dims dim0 .. dim0 + WARP_DIMS - 1
     const int split = blockIdx.x, row = blockIdx.z;
     const int group = n_heads / n_kv_heads;
     const int head_blocks = (group + HEADS - 1) / HEADS;
@@ -368,16 +412,17 @@ __device__ __forceinline__ void paged_decode(
     const int n_g = min(HEADS, kv_head * group + group - head0);
 
     // the queries' loads go out with the row's length. fp16 K: lane (g, qd) loads head g's k elements (the pieces
-    // of a key row) straight into its B fragments; quantized K: the block stages them to rotate them first.
+    // of the warp's part of a key row) straight into its B fragments; quantized K: the block stages them to rotate
+    // them first.
     const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
-    unsigned qb[DH / 16][2];
+    unsigned qb[S::STEPS][2];
     float q_reg[Q_PER_THREAD];
     if constexpr (K_BITS == 16) {
         unsigned w[S::K_WORDS] = {};
         if (g < n_g) {
 #pragma unroll
             for (int j = 0; j < S::K_PIECES; j++)
-                load_words<S::K_PIECE>(reinterpret_cast<const unsigned char*>(q_row + g * DH) +
+                load_words<S::K_PIECE>(reinterpret_cast<const unsigned char*>(q_row + g * DH + dim0) +
                                            (qd + 4 * j) * S::K_PIECE,
                                        &w[j * S::K_PIECE / 4]);
         }
@@ -409,15 +454,16 @@ __device__ __forceinline__ void paged_decode(
     if (t_begin >= n_keys) return;
     const int t_end = min(t_begin + split_len, n_keys);
 
-    const Cache cache{k_cache + (size_t)kv_head * DH * K_BITS / 8, v_cache + (size_t)kv_head * DH * V_BITS / 8,
-                      k_scales + kv_head * (DH / 32), v_scales + kv_head * (DH / 32),
+    const size_t dim = (size_t)kv_head * DH + dim0;   // the warp's first dim in the flat [n_kv_heads * DH] row
+    const int scale0 = kv_head * (DH / 32) + dim0 / 32;
+    const Cache cache{k_cache + dim * K_BITS / 8, v_cache + dim * V_BITS / 8, k_scales + scale0, v_scales + scale0,
                       (size_t)n_kv_heads * DH * K_BITS / 8, (size_t)n_kv_heads * DH * V_BITS / 8,
                       n_kv_heads * DH / 32};
     const int* table = block_tables + (size_t)seq * max_pages;
 
     // the warp's first tile is in flight while the queries are staged
     Tile<S> tile;
-    int t0 = t_begin + warp * S::KT;
+    int t0 = t_begin + slot * S::KT;
     if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
     // quantized K: the queries rotated (R(q)/32), as fp16 B fragments: lane (g, qd) holds head g's k elements
@@ -439,8 +485,8 @@ __device__ __forceinline__ void paged_decode(
         for (int s = 0; s < S::STEPS; s++)
 #pragma unroll
             for (int hi = 0; hi < 2; hi++)
-                qb[s][hi] = pack_half2(smem.q[g][k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 0))],
-                                       smem.q[g][k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 1))]);
+                qb[s][hi] = pack_half2(smem.q[g][dim0 + k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 0))],
+                                       smem.q[g][dim0 + k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 1))]);
         __syncthreads();   // smem.q is reused for P
     }
 
@@ -451,40 +497,42 @@ __device__ __forceinline__ void paged_decode(
     for (int t = 0; t < S::STEPS; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) st.acc[t][e] = 0.f;
-    while (t0 < t_end) {
-        attend_tile<DH, K_BITS, V_BITS, KT>(st, tile, qb, smem.p[warp], t0, t_first, t_end, scale_log2, cap_in,
-                                            cap_out, lane);
-        t0 += WARPS * S::KT;
+    // both warps of a pair walk the same tiles, so they meet at every pair_sync
+    for (int parity = 0; t0 < t_end; parity ^= 1) {
+        attend_tile<DH, K_BITS, V_BITS, KT>(st, tile, qb, smem.loop.p[warp], smem.loop.x, parity, t0, t_first,
+                                            t_end, scale_log2, cap_in, cap_out, warp, lane);
+        t0 += S::TILE_SLOTS * S::KT;
         if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
     }
 
-    // merge the warps: each writes its state; warp h then takes query head h
+    // merge the tile slots: each writes its state (the warps of a pair hold the same m and l, and their own dims);
+    // warp h then takes query head h
 #pragma unroll
     for (int h = 0; h < 2; h++) st.l[h] = column_sum(st.l[h]);
-    __syncthreads();   // every warp is done with its P tile (aliased by acc)
-    if (g == 0) {
+    __syncthreads();   // every warp is done with its P tile and scores (aliased by acc)
+    if (g == 0 && part == 0) {
 #pragma unroll
-        for (int h = 0; h < 2; h++) m_s[warp][2 * qd + h] = st.m[h], l_s[warp][2 * qd + h] = st.l[h];
+        for (int h = 0; h < 2; h++) m_s[slot][2 * qd + h] = st.m[h], l_s[slot][2 * qd + h] = st.l[h];
     }
 #pragma unroll
     for (int t = 0; t < S::STEPS; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
-            smem.acc[warp][2 * qd + (e & 1)][v_dim<S>(g, v_virtual<V_BITS>(t, e >> 1))] = st.acc[t][e];
+            smem.acc[slot][2 * qd + (e & 1)][dim0 + v_dim<S>(g, v_virtual<V_BITS>(t, e >> 1))] = st.acc[t][e];
     __syncthreads();
 
     const size_t head_row = (size_t)row * n_heads + head0 + warp;   // this warp's query head
     if (warp < n_g) {
         float m_max = m_s[0][warp];
 #pragma unroll
-        for (int w = 1; w < WARPS; w++) m_max = fmaxf(m_max, m_s[w][warp]);   // finite: warp 0 had keys
+        for (int w = 1; w < S::TILE_SLOTS; w++) m_max = fmaxf(m_max, m_s[w][warp]);   // finite: slot 0 had keys
         float l = 0.f;
         float2 a[S::CHUNKS];
 #pragma unroll
         for (int c = 0; c < S::CHUNKS; c++) a[c] = make_float2(0.f, 0.f);
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-            const float f = exp2f(m_s[w][warp] - m_max);   // 0 for warps without keys
+        for (int w = 0; w < S::TILE_SLOTS; w++) {
+            const float f = exp2f(m_s[w][warp] - m_max);   // 0 for slots without keys
             l += l_s[w][warp] * f;
 #pragma unroll
             for (int c = 0; c < S::CHUNKS; c++) {
@@ -558,7 +606,8 @@ __device__ __forceinline__ void paged_decode(
 // Cache pointers are passed as bytes; unused scale pointers may be null.
 // KT: keys per warp tile. MIN_BLOCKS: blocks per SM that __launch_bounds__ asks registers for (2: at most 128 per
 // thread); the variants whose tiles need more registers (ptxas spills at 128) keep one block of 8 warps per SM.
-// The launcher reads the resident blocks per SM off the compiled kernel.
+// The launcher reads the resident blocks per SM off the compiled kernel. The d256 variants run warp pairs (see the
+// top of the file) with the per-warp shapes, KT and register use of the d128 ones.
 #define PAGED_DECODE(MODE, DH, KB, VB, KT, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) paged_decode_##MODE##_d##DH(              \
         const half* q, const unsigned char* k_cache, const unsigned char* v_cache, const half* k_scales,        \
@@ -566,6 +615,8 @@ __device__ __forceinline__ void paged_decode(
         const int* row_seq, half* out, float* part_acc, float2* part_ml, int* counters, int n_heads,            \
         int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window, float cap_in, \
         float cap_out) {                                                                                        \
+        exl::pdl_trigger();  /* dependent launch (common.cuh): q, the cache and seq_lens come from earlier */  \
+        exl::pdl_wait();                                                                                         \
         paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,           \
                                      positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv_heads,  \
                                      max_pages, page_size, n_splits, scale_log2, window, cap_in, cap_out);       \
@@ -582,3 +633,7 @@ PAGED_DECODE(q6, 64, 8, 4, 32, 2)
 PAGED_DECODE(q6, 128, 8, 4, 32, 1)
 PAGED_DECODE(q4, 64, 4, 4, 32, 2)
 PAGED_DECODE(q4, 128, 4, 4, 64, 1)
+PAGED_DECODE(fp16, 256, 16, 16, 32, 1)
+PAGED_DECODE(q8, 256, 8, 8, 32, 1)
+PAGED_DECODE(q6, 256, 8, 4, 32, 1)
+PAGED_DECODE(q4, 256, 4, 4, 64, 1)

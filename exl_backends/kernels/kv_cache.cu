@@ -7,6 +7,10 @@
 // are stored as rint(y * (half / a) + half) clamped to [0, 2*half - 1]: 8-bit one byte each, 4-bit two per byte
 // (element e in byte e/2, even e in the low nibble).
 //
+// No kernel here has a variant per head_dim: rows are handled as flat [E] vectors (fp16 copies: E % 8 == 0; quantized:
+// E % 64 == 0, the chunks running across head boundaries as in the reference) and RoPE pairs element d with
+// d +- head_dim/2 of its head (head_dim % 4 == 0). So head_dim 256 (Gemma 2 and 3) takes the same launches as 64/128.
+//
 // Every f32 operation below is the one the reference does, in the same order (the butterfly order of
 // reference._hadamard32, the rounding intrinsics so that --use_fast_math cannot fuse or approximate them), so codes
 // and scales come out bit-identical to the reference run by torch on the same GPU. RoPE rounds as
@@ -150,6 +154,8 @@ __device__ __forceinline__ void rope_kv_write(const half* __restrict__ q, const 
 extern "C" __global__ void kv_write_f16(const half* __restrict__ k, const half* __restrict__ v,
                                         half* __restrict__ k_cache, half* __restrict__ v_cache,
                                         const long long* __restrict__ slots, int width) {
+    exl::pdl_trigger();     // dependent launch (common.cuh): every input comes from an earlier kernel
+    exl::pdl_wait();
     const int t = blockIdx.x;
     const half* src = (blockIdx.y == 0 ? k : v) + (size_t)t * width;
     half* dst = (blockIdx.y == 0 ? k_cache : v_cache) + (size_t)slots[t] * width;
@@ -167,6 +173,8 @@ extern "C" __global__ void kv_write_quant(const half* __restrict__ k, const half
                                           half* __restrict__ k_scales, half* __restrict__ v_scales,
                                           const long long* __restrict__ slots, int n_rows, int width,
                                           int k_bits, int v_bits) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     const int lane = threadIdx.x & 31;
     const int chunks = width / 64;
     const int job = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -187,6 +195,8 @@ extern "C" __global__ void rope_kv_write_f16(const half* q, const half* k, const
                                              const half* sin, half* q_out, unsigned char* k_cache,
                                              unsigned char* v_cache, const long long* slots, int n_tokens,
                                              int n_heads, int n_kv_heads, int head_dim) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     rope_kv_write<false>(q, k, v, cos, sin, q_out, k_cache, v_cache, nullptr, nullptr, slots, n_tokens, n_heads,
                          n_kv_heads, head_dim, 16, 16);
 }
@@ -196,6 +206,8 @@ extern "C" __global__ void rope_kv_write_quant(const half* q, const half* k, con
                                                unsigned char* v_codes, half* k_scales, half* v_scales,
                                                const long long* slots, int n_tokens, int n_heads, int n_kv_heads,
                                                int head_dim, int k_bits, int v_bits) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     rope_kv_write<true>(q, k, v, cos, sin, q_out, k_codes, v_codes, k_scales, v_scales, slots, n_tokens, n_heads,
                         n_kv_heads, head_dim, k_bits, v_bits);
 }
@@ -207,6 +219,8 @@ extern "C" __global__ void kv_dequantize(const unsigned char* __restrict__ k_cod
                                          const half* __restrict__ k_scales, const half* __restrict__ v_scales,
                                          const long long* __restrict__ slots, half* __restrict__ k_out,
                                          half* __restrict__ v_out, int n_rows, int width, int k_bits, int v_bits) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     const int lane = threadIdx.x & 31;
     const int chunks = width / 64;
     const int job = blockIdx.x * WARPS + (threadIdx.x >> 5);

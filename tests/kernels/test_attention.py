@@ -2,7 +2,9 @@
 written once, by the kernels; the reference reads it back with torch ops), so the tests isolate the attention
 arithmetic. Ragged lengths across page boundaries, shuffled page tables, decode-only and mixed batches, every
 cache mode, GQA groups from 1 to 12; sliding windows (smaller than, equal to and larger than the context, ending on
-and across page boundaries) and attention-logit soft-capping on every path."""
+and across page boundaries) and attention-logit soft-capping on every path; head_dim 256 (Gemma 2/3: the warp-pair
+variants) in every mode with Gemma's attention scale, windows and soft-cap."""
+import dataclasses
 import re
 from pathlib import Path
 
@@ -13,10 +15,16 @@ from kernel_testing import attention_config, on_gpu, poison_allocator
 from exl_backends import reference
 from exl_backends.batch import Batch, SeqChunk
 from exl_backends.cache import KVCache
+from exl_backends.config import ModelConfig
+from exl_backends.errors import ConfigError
+from exl_backends.model import Model
 
 MODES = ["fp16", "q8", "q6", "q4"]
 # (Hkv, H/Hkv, Dh); a group of 12 spans two blocks of 8 query heads
-SHAPES = [(hkv, group, dh) for hkv in (1, 2, 3, 8) for group in (1, 3, 4) for dh in (64, 128)] + [(2, 12, 64)]
+# head_dim 256: Gemma 3 1B (1 kv head, 4 heads), Gemma 2 2B (4, 8), Gemma 2 9B (8, 16), groups of 1 and 12
+GEMMA_SHAPES = [(1, 4, 256), (4, 2, 256), (8, 2, 256), (3, 1, 256), (2, 12, 256)]
+SHAPES = [(hkv, group, dh) for hkv in (1, 2, 3, 8) for group in (1, 3, 4) for dh in (64, 128)] + [(2, 12, 64)] + \
+    GEMMA_SHAPES
 DECODE_LENS = [1, 255, 256, 257, 1000, 5000]
 # (tokens already cached, new tokens): prompts with and without a prefix, decode rows, short multi-token chunks
 MIXED = [(0, 300), (700, 57), (4999, 1), (255, 1), (100, 5), (0, 1), (1500, 9), (31, 2), (0, 8)]
@@ -44,7 +52,8 @@ def shuffled_pages(specs, page_size, seed):
     return lists, len(order)
 
 
-def run_case(shape, mode, specs, page_size, seed, window=None, softcap=None):
+def run_case(shape, mode, specs, page_size, seed, window=None, softcap=None, scale=None):
+    """scale: the attention scale (None: head_dim ** -0.5)."""
     from exl_backends.kernels import attention
     lists, n_pages = shuffled_pages(specs, page_size, seed)
     cache, g = filled_cache(shape, mode, n_pages, page_size, seed)
@@ -52,7 +61,7 @@ def run_case(shape, mode, specs, page_size, seed, window=None, softcap=None):
     batch = Batch.build(chunks, page_size, "cuda")
     hkv, group, dh = shape
     q = (torch.randn(batch.input_ids.shape[0], hkv * group, dh, device="cuda", generator=g) * 1.5).half()
-    scale = dh ** -0.5
+    scale = dh ** -0.5 if scale is None else scale
     poison_allocator()
     options = {name: value for name, value in (("window", window), ("softcap", softcap)) if value is not None}
     ours = attention.paged_attention(q, cache, 0, batch, scale, **options)
@@ -101,18 +110,20 @@ def test_small_pages(mode, page_size):
 
 @on_gpu
 @pytest.mark.parametrize("mode", ["fp16", "q4"])
-def test_decode_replays_in_a_cuda_graph(mode):
+@pytest.mark.parametrize("shape", [(8, 4, 128), (4, 2, 256)])
+def test_decode_replays_in_a_cuda_graph(mode, shape):
     """Captured once for a batch shape; replayed after the sequences grew (longer lengths, wider use of the same
     block table), with new queries: no host reads, grid fixed by the table width."""
     from exl_backends.kernels import attention
-    shape, page_size = (8, 4, 128), 256
+    page_size = 256
+    hkv, group, dh = shape
     lists, n_pages = shuffled_pages([(0, 6000), (0, 6000)], page_size, seed=9)
     cache, g = filled_cache(shape, mode, n_pages, page_size, seed=9)
 
     def decode_batch(lengths):
         return Batch.build([SeqChunk([1], n - 1, pages) for n, pages in zip(lengths, lists)], page_size, "cuda")
     static = decode_batch([300, 40])
-    q = torch.randn(2, 32, 128, device="cuda", generator=g).half()
+    q = torch.randn(2, hkv * group, dh, device="cuda", generator=g).half()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -125,7 +136,7 @@ def test_decode_replays_in_a_cuda_graph(mode):
         grown = decode_batch(lengths)
         static.seq_lens.copy_(grown.seq_lens)
         static.positions.copy_(grown.positions)
-        q.copy_(torch.randn(2, 32, 128, device="cuda", generator=g).half())
+        q.copy_(torch.randn(2, hkv * group, dh, device="cuda", generator=g).half())
         out.fill_(float("nan"))
         graph.replay()
         assert_attention_close(out, reference.paged_attention(q, cache, 0, grown, 0.1))
@@ -223,6 +234,25 @@ def test_head_dim_96_fp16():
     run_case((4, 3, 96), "fp16", MIXED, 64, seed=8)
 
 
+# Gemma's attention scale is query_pre_attn_scalar ** -0.5 (Gemma 2 27B: 144; the head_dim 256 models use 256): a
+# scale other than head_dim ** -0.5, so that a kernel ignoring it fails
+GEMMA_SCALE = 144 ** -0.5
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [None, 7, 33, 256, 4096])
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_head_dim_256_with_gemma_options(mode, window, softcap):
+    """Gemma 2's layers (soft-cap 50; window 4096 or none) and Gemma 3's (windows, no soft-cap) at head_dim 256,
+    with Gemma's scale: decode rows past several splits, mixed batches on small pages."""
+    for i, shape in enumerate([(4, 2, 256), (1, 4, 256)]):
+        run_case(shape, mode, [(n - 1, 1) for n in DECODE_LENS], 256, seed=(window or 0) + i, window=window,
+                 softcap=softcap, scale=GEMMA_SCALE)
+    run_case((4, 2, 256), mode, MIXED, 32, seed=(window or 0) + 7, window=window, softcap=softcap,
+             scale=GEMMA_SCALE)
+
+
 @on_gpu
 def test_windowed_decode_replays_in_a_cuda_graph():
     """The window moves with the positions copied into the captured batch; splits are fixed by the window."""
@@ -273,3 +303,45 @@ def test_softcapped_prefill_arithmetic_equals_reference(window, group):
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k[lo:], v[lo:]))
     ours = attention._softcapped(qh, kh, vh, visible, 0.3, 1.5)[0].transpose(0, 1)
     torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_kernels_accept_head_dim_256(mode):
+    """attention.check_cache (what a CUDA KVCache calls) on the cache shapes alone: head_dim 256 in every mode;
+    a head_dim without kernels is still refused."""
+    from exl_backends.kernels import attention
+    attention.check_cache(KVCache(attention_config(8, 4, 256), 1, 32, mode, "cpu", torch.float16))
+    with pytest.raises(ConfigError, match="head_dim 80"):
+        attention.check_cache(KVCache(attention_config(8, 4, 80), 1, 32, "fp16", "cpu", torch.float16))
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q4"])
+def test_gemma_scale_softcap_and_window_reach_the_kernel(tmp_path, monkeypatch, mode):
+    """A Gemma 2 checkpoint with head_dim 256, query_pre_attn_scalar 144 and its window and soft-cap, loaded on
+    CPU with the CUDA paged_attention in its ops and the launches recorded instead of run: each layer's decode
+    step launches the d256 kernel with scale 144^-0.5 (in log2 units), the soft-cap and that layer's window."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from exl_backends.kernels import attention
+    hf_config = tiny_config("gemma2", head_dim=256, query_pre_attn_scalar=144, attn_logit_softcapping=50.0,
+                            sliding_window=8)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    model = Model.load(tmp_path, config, "cpu", torch.float32)
+    model.ops = dataclasses.replace(model.ops, paged_attention=attention.paged_attention,
+                                    attention_options=frozenset({"window", "softcap"}))
+    launches = []
+    monkeypatch.setattr(attention, "launch", lambda family, kernel, grid, block, args: launches.append((kernel, args)))
+    monkeypatch.setattr(attention, "_n_splits", lambda *_: 1)      # reads the compiled kernel's registers
+    cache = KVCache(config, 2, 32, mode, "cpu", torch.float32)
+    model.forward(Batch.build([SeqChunk([5], 40, [1, 0])], 32, "cpu"), cache)      # one decode row
+    assert config.layer_windows == (8, None)
+    assert len(launches) == config.n_layers
+    for (kernel, args), window in zip(launches, config.layer_windows):
+        assert kernel == f"paged_decode_{mode}_d256"
+        scale_log2, window_arg, cap_in, cap_out = args[-4:]
+        assert scale_log2 == pytest.approx(144 ** -0.5 * attention.LOG2E, rel=1e-6)
+        assert window_arg == (window or 0)
+        assert cap_in == pytest.approx(144 ** -0.5 / 50.0, rel=1e-6)
+        assert cap_out == pytest.approx(50.0 * attention.LOG2E, rel=1e-6)

@@ -1,5 +1,6 @@
 """kv_cache.cu against reference.quantize_kv / dequantize_kv, through KVCache.write on CUDA (which dispatches to the
-kernels) and kernels.kv_cache.read; the fused RoPE + write against reference.apply_rope followed by KVCache.write."""
+kernels) and kernels.kv_cache.read; the fused RoPE + write against reference.apply_rope followed by KVCache.write.
+head_dim 256 (Gemma 2/3) in every write, read and rope path."""
 import pytest
 import torch
 from kernel_testing import attention_config, needs_gpu, poison_allocator
@@ -10,7 +11,7 @@ from exl_backends.errors import ConfigError
 
 pytestmark = needs_gpu
 
-SHAPES = [(1, 64), (2, 128), (3, 64), (8, 128)]      # (n_kv_heads, head_dim)
+SHAPES = [(1, 64), (2, 128), (3, 64), (8, 128), (1, 256), (4, 256)]      # (n_kv_heads, head_dim)
 ROWS = (1, 3, 17, 333)
 POISON_CODE = 0xA5
 
@@ -99,7 +100,7 @@ def bits_of(t):
 
 
 @pytest.mark.parametrize("mode", ["fp16", "q8", "q6", "q4"])
-@pytest.mark.parametrize("heads, hkv, dh", [(32, 8, 128), (9, 3, 64), (6, 2, 128)])
+@pytest.mark.parametrize("heads, hkv, dh", [(32, 8, 128), (9, 3, 64), (6, 2, 128), (8, 4, 256), (4, 1, 256)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_rope_write_matches_rope_then_write(mode, heads, hkv, dh, rows):
     from exl_backends.kernels import kv_cache
@@ -152,9 +153,12 @@ def test_quantized_round_trip_is_close():
 
 
 def test_cuda_cache_checks():
-    config = attention_config(8, 2, 96)
-    with pytest.raises(ConfigError, match="head_dim 96"):
-        KVCache(config, 2, 256, "fp16", "cuda", torch.float16)
+    with pytest.raises(ConfigError, match="head_dim 80"):
+        KVCache(attention_config(8, 2, 80), 2, 256, "fp16", "cuda", torch.float16)
+    with pytest.raises(ConfigError, match="head_dim 96"):                    # fp16 only
+        KVCache(attention_config(8, 2, 96), 2, 256, "q4", "cuda", torch.float16)
+    for mode in ("fp16", "q8", "q6", "q4"):                                   # Gemma 2/3
+        assert KVCache(attention_config(8, 4, 256), 2, 256, mode, "cuda", torch.float16).config.head_dim == 256
     with pytest.raises(ConfigError, match="float16"):
         KVCache(attention_config(8, 2, 128), 2, 256, "fp16", "cuda", torch.float32)
     with pytest.raises(ConfigError, match="page_size 48"):

@@ -9,7 +9,7 @@ pytestmark = needs_gpu
 
 
 @pytest.mark.parametrize("rows", (1, 3, 17, 333))
-@pytest.mark.parametrize("heads, head_dim", [(32, 128), (8, 128), (9, 64), (3, 64), (4, 16)])
+@pytest.mark.parametrize("heads, head_dim", [(32, 128), (8, 128), (9, 64), (3, 64), (4, 16), (8, 256), (4, 256)])
 def test_apply_rope(rows, heads, head_dim):
     from exl_backends.kernels import rope
     g = torch.Generator(device="cuda").manual_seed(rows * 13 + heads * head_dim)
