@@ -13,6 +13,8 @@
 // when n % 4 == 0 and aligned: softcap_f32_vec4).
 #include <cuda_fp16.h>
 
+#include "common.cuh"
+
 namespace {
 
 template <int VEC>
@@ -53,26 +55,36 @@ __device__ __forceinline__ void gated(const half* __restrict__ gate, const half*
 
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_f16_vec8(const half* gate, const half* up, half* out, long long n) {
+    exl::pdl_trigger();     // dependent launch (common.cuh): every input comes from an earlier kernel
+    exl::pdl_wait();
     gated<Silu, 8>(gate, up, out, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     silu_mul_f16(const half* gate, const half* up, half* out, long long n) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     gated<Silu, 1>(gate, up, out, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     gelu_tanh_mul_f16_vec8(const half* gate, const half* up, half* out, long long n) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     gated<GeluTanh, 8>(gate, up, out, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     gelu_tanh_mul_f16(const half* gate, const half* up, half* out, long long n) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     gated<GeluTanh, 1>(gate, up, out, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     softcap_f32_vec4(const float4* x, float4* out, long long n4, float cap) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n4) return;
     const float inv = 1.f / cap;
@@ -86,6 +98,8 @@ extern "C" __global__ void __launch_bounds__(256)
 
 extern "C" __global__ void __launch_bounds__(256)
     softcap_f32(const float* x, float* out, long long n, float cap) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = tanhf(x[i] * (1.f / cap)) * cap;
 }

@@ -10,6 +10,28 @@ namespace exl {
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
+// ------------------------------------------------------------------------------------------- dependent launch
+
+// Programmatic dependent launch (sm_90+; the loader launches the families in loader.PDL_FAMILIES with it). Every
+// kernel of those families calls pdl_trigger() first, so the next kernel on the stream may be scheduled at once
+// and run up to its own pdl_wait(); and it calls pdl_wait() before its first read of anything an earlier kernel
+// wrote and before its first global write (what it does before, e.g. L2 prefetches of weights, overlaps the
+// previous kernel). pdl_wait returns once every earlier kernel has finished and its writes are visible; without
+// the launch attribute, or on older GPUs, both are no-ops.
+__device__ __forceinline__ void pdl_trigger()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------------------------------- fp16 bit patterns
 
 // fp16 bits of an integer with |v| <= 2048 (exact).

@@ -6,6 +6,7 @@ caches the binary on disk (~/.cupy/kernel_cache), so later processes skip the co
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,10 @@ from ..errors import DeviceError
 
 KERNEL_DIR = Path(__file__).resolve().parent
 MIN_CC = (7, 5)
+PDL_CC = (9, 0)
+# Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
+# be launched with programmatic dependent launch (pdl.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
+PDL_FAMILIES = frozenset({"quant_matmul", "norm", "activation", "rope", "attention", "kv_cache"})
 
 
 @functools.cache
@@ -73,16 +78,34 @@ def _arg(a):
         return np.float32(a)
     if a is None:
         return np.uint64(0)
-    return a   # already an explicit numpy scalar (np.int64, np.uint64, ...)
+    return a   # already an explicit numpy scalar (np.int64, np.uint64, ...) or a 0-d struct array
+
+
+def _cupy_arg(a):
+    """CuPy passes a struct by value when it is wrapped."""
+    return cupy().cuda.function.CNumpyArray(a) if isinstance(a, np.ndarray) else a
+
+
+@functools.cache
+def _use_pdl(family: str, cc: tuple[int, int]) -> bool:
+    return family in PDL_FAMILIES and cc >= PDL_CC and os.environ.get("EXL_PDL", "1") != "0"
 
 
 def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            shared_mem: int = 0) -> None:
     """Launches `kernel` of `<family>.cu` on torch's current stream. Tensors become device pointers, Python
-    ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type."""
+    ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type and a 0-d numpy
+    structured array for a struct passed by value. On sm_90+ the families in PDL_FAMILIES launch with
+    programmatic dependent launch."""
     cc = compute_capability()
     fn = module(family, cc).get_function(kernel)
     if shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = shared_mem
-    stream = _stream(torch.cuda.current_stream().cuda_stream)
-    fn(tuple(grid), tuple(block), tuple(_arg(a) for a in args), shared_mem=shared_mem, stream=stream)
+    stream_ptr = torch.cuda.current_stream().cuda_stream
+    values = tuple(_arg(a) for a in args)
+    if _use_pdl(family, cc):
+        from . import pdl
+        pdl.launch(fn.ptr, grid, block, values, shared_mem, stream_ptr)
+    else:
+        fn(tuple(grid), tuple(block), tuple(_cupy_arg(v) for v in values), shared_mem=shared_mem,
+           stream=_stream(stream_ptr))

@@ -7,6 +7,8 @@
 // the launcher), VEC = 1 single elements. A decode step's rows are latency-bound: one round of loads, one barrier.
 #include <cuda_fp16.h>
 
+#include "common.cuh"
+
 namespace {
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
@@ -107,10 +109,14 @@ __device__ __forceinline__ void norm_row(const half* __restrict__ x, const half*
 #define NORM_KERNELS(VEC, NV)                                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
         rmsnorm_f16_v##VEC##_n##NV(const half* x, const half* w, half* out, int dim, float eps) {                \
+        exl::pdl_trigger();  /* dependent launch (common.cuh): x comes from an earlier kernel */               \
+        exl::pdl_wait();                                                                                         \
         norm_row<VEC, NV, false>(x, nullptr, w, out, nullptr, dim, eps);                                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) add_rmsnorm_f16_v##VEC##_n##NV(                       \
         const half* x, const half* residual, const half* w, half* out, half* new_residual, int dim, float eps) { \
+        exl::pdl_trigger();                                                                                      \
+        exl::pdl_wait();                                                                                         \
         norm_row<VEC, NV, true>(x, residual, w, out, new_residual, dim, eps);                                   \
     }
 

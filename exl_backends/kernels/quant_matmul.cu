@@ -49,6 +49,8 @@
 //   partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the
 //   accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the
 //   larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   Dependent launch (common.cuh): the weight and record prefetches and the chunk_meta staging come before
+//   pdl_wait, so on sm_90+ they overlap the kernel before this one; x is read after it.
 //   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
 //   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
@@ -635,7 +637,8 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
     }
-    stage_meta(meta_s, pt.chunk_meta, c0, c1);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);        // the weights' own metadata: no earlier kernel writes it
+    pdl_wait();                                        // x, ws and the counters belong to earlier kernels
     stage_x(xs, x, pt, M, p.K, c0, c1, p.xs_stride);
     __syncthreads();
     float2* corr = reinterpret_cast<float2*>(smem + p.corr_smem);
@@ -725,6 +728,7 @@ __device__ __forceinline__ void moe_matmul(const Params* experts, const int* off
                                            int* counters, int strips_max)
 {
     constexpr int ROWS = M1 ? 1 : 8 * N8;
+    pdl_wait();                                        // the routing (offsets, counts) comes from earlier kernels
     const int e = blockIdx.y, z = blockIdx.z;
     const int M = min(ROWS, __ldg(counts + e) - ROWS * z);
     if (M <= 0) return;
@@ -789,10 +793,13 @@ __device__ __forceinline__ void dequant(const Params& p, half* w_out)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const Part& pt = p.part[0];
     const int split = blockIdx.x / pt.col_blocks, strip = blockIdx.x % pt.col_blocks * WARPS + warp;
-    if (strip >= pt.strips) return;
     Stream st;
-    start_stream(st, pt, strip, split, lane);
-    prefetch_records<Fmt>(pt, strip, split, lane);
+    if (strip < pt.strips) {
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
+    }
+    pdl_wait();                                        // w_out may still be read by an earlier kernel
+    if (strip >= pt.strips) return;
     DequantSink<Fmt> sink;
     sink.tile = tiles[warp]; sink.w_out = w_out; sink.perm = pt.perm; sink.Np = pt.np; sink.strip = strip;
     sink.lane = lane; sink.g = lane / 4; sink.q = lane % 4;
@@ -810,6 +817,7 @@ __device__ __forceinline__ void dequant(const Params& p, half* w_out)
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, BLOCKS_PER_SM)                                          \
     NAME(const __grid_constant__ qmm::Params p, const half* x, half* y0, half* y1, half* y2, float* ws)              \
     {                                                                                                                  \
+        exl::pdl_trigger();                                                                                           \
         qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws);                                                                \
     }
 
@@ -827,6 +835,7 @@ QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 2)
     NAME(const qmm::Params* experts, const int* offsets, const int* counts, int S, const half* x, half* y0,          \
          half* y1, float* ws, long long ws_part, int* counters, int strips_max)                                      \
     {                                                                                                                  \
+        exl::pdl_trigger();                                                                                           \
         qmm::moe_matmul<FMT, N8, M1>(experts, offsets, counts, S, x, y0, y1, ws, ws_part, counters, strips_max);     \
     }
 
@@ -840,6 +849,7 @@ QMM_MOE(gptq_moe_m16, qmm::Gptq, 2, false, 2)
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, 3)                                                      \
     NAME(const __grid_constant__ qmm::Params p, half* w_out)                                                          \
     {                                                                                                                  \
+        exl::pdl_trigger();                                                                                           \
         qmm::dequant<FMT>(p, w_out);                                                                                   \
     }
 

@@ -25,7 +25,7 @@ from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
-from .loader import cupy, launch
+from .loader import launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
 STRIP = 32                      # columns per strip (one warp)
@@ -336,9 +336,9 @@ class Plan:
     params: np.ndarray       # 0-d PARAMS_DTYPE
     ws_floats: int           # fp32 split partials the launch needs (0: none)
 
-    def arg(self):
-        """The Params as a kernel argument (CuPy passes the struct's bytes by value)."""
-        return cupy().cuda.function.CNumpyArray(self.params)
+    def arg(self) -> np.ndarray:
+        """The Params as a kernel argument (the loader passes the struct's bytes by value)."""
+        return self.params
 
 
 def _ptr(t: Tensor | None) -> int:

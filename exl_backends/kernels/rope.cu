@@ -8,6 +8,8 @@
 // out[d + Dh/2] of that head.
 #include <cuda_fp16.h>
 
+#include "common.cuh"
+
 namespace {
 
 __device__ __forceinline__ half mul(half a, half b) {
@@ -23,6 +25,8 @@ __device__ __forceinline__ half add(half a, half b) {
 extern "C" __global__ void __launch_bounds__(256)
     apply_rope_f16(const half* __restrict__ x, const half* __restrict__ cos, const half* __restrict__ sin,
                    half* __restrict__ out, int n_tokens, int n_heads, int head_dim) {
+    exl::pdl_trigger();     // dependent launch (common.cuh): every input comes from an earlier kernel
+    exl::pdl_wait();
     const int half_dim = head_dim / 2;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tokens * n_heads * half_dim) return;

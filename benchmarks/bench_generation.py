@@ -1,0 +1,249 @@
+"""The generation engine's speed claims (issue #6), on a synthetic Llama-3-8B-shape EXL2 model (4.0 bpw body):
+
+  concurrency  aggregate tokens/s of 1, 4, 16 and 64 jobs submitted together (greedy, fixed length; target:
+               16 jobs >= 8x one job);
+  ttft         time to first token of a 2000-token prompt whose first 1900 tokens are in the prefix cache, vs the
+               same length uncached (target >= 5x);
+  speculative  what a speculative step costs on this device: one graph-replayed decode token vs an eager verify
+               step of 1 + k tokens, and a 1B-shape draft model's token. Speedup = tokens per step x decode cost /
+               step cost. Tokens per step depend on the model and the task, not the device: `--model DIR` measures
+               them for n-gram drafting on a real model (e.g. SmolLM2 on the CPU) on a repetitive task (rewriting
+               a code block with small edits), with the wall-clock speedup on that device; the table then combines
+               them with the GPU step costs (`--tokens-per-step`). Random weights cannot measure acceptance.
+
+    python benchmarks/bench_generation.py                              # GPU: all parts, llama-3-8b shape
+    python benchmarks/bench_generation.py --part speculative --model ~/.cache/exl-backends/SmolLM2-135M-Instruct-exl2-4.0bpw --device cpu
+    python benchmarks/bench_generation.py --shape tiny --device cpu --levels 1,4 --max-tokens 16   # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import SyntheticLM, WordTokenizer, in_process, random_prompts  # noqa: E402
+from shapes import synthetic_model  # noqa: E402
+
+from exl_backends import Generator, SamplingParams  # noqa: E402
+from exl_backends.batch import Batch, SeqChunk  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+CODE = '''def moving_average(values, window):
+    """Average of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            result.append(total / window)
+    return result
+'''
+EDIT_TASK = ("Rewrite this Python function exactly, changing only the variable name `total` to `running_sum`. "
+             "Reply with the code only.\n\n" + CODE)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- concurrency ---------------------------------------------------------------------------------------------------
+
+def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
+    seq = prompt_len + max_tokens
+    gen = Generator(lm, max_batch_size=max(levels), max_seq_len=seq, cache_tokens=max(levels) * (seq + lm.page_size))
+    vocab = lm.exl_config.vocab_size
+    rows = []
+    for i, n in enumerate(levels):
+        in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens)      # warm-up: graphs
+        r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens)
+        rows.append(dict(jobs=n, tok_s=r["tok_s"], per_job_tok_s=r["per_request_tok_s"], ttft_ms=r["ttft_ms"]))
+    for r in rows:
+        r["vs_one_job"] = r["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
+# ---- time to first token with a cached prefix ----------------------------------------------------------------------
+
+def first_token_s(gen: Generator, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    next(iter(gen.submit(prompt, max_new_tokens=1, sampling=GREEDY)))
+    return time.perf_counter() - t0
+
+
+def ttft(lm, prompt_len: int, prefix_len: int, rounds: int) -> dict:
+    gen = Generator(lm, max_batch_size=4, max_seq_len=prompt_len + 8, cache_tokens=8 * (prompt_len + lm.page_size))
+    vocab = lm.exl_config.vocab_size
+    cold, warm = [], []
+    for r in range(rounds + 1):     # round 0 warms up
+        prefix, tail_a, tail_b, fresh = random_prompts(4, prompt_len, vocab, seed=3000 + r)
+        first_token_s(gen, prefix[:prefix_len] + tail_a[prefix_len:])      # computes (and caches) the prefix
+        w = first_token_s(gen, prefix[:prefix_len] + tail_b[prefix_len:])
+        c = first_token_s(gen, fresh)
+        if r:
+            warm.append(w)
+            cold.append(c)
+    cached = (prefix_len // lm.page_size) * lm.page_size
+    return dict(prompt=prompt_len, prefix=prefix_len, reused_tokens=cached, cold_ms=1000 * min(cold),
+                cached_ms=1000 * min(warm), speedup=min(cold) / min(warm))
+
+
+# ---- speculative decoding: step costs on this device ---------------------------------------------------------------
+
+def step_ms(model, cache, tokens: int, context: int, repeats: int) -> float:
+    """Eager forward of one sequence's `tokens` new tokens after `context` cached ones (all logits rows)."""
+    dev, ps = model.device, cache.page_size
+    pages = list(range(-(-(context + tokens) // ps)))
+    chunk = SeqChunk(list(range(1, tokens + 1)), context, pages)
+    batch = Batch.build([chunk], ps, dev, all_logits=True)
+    model.forward(batch, cache)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        model.forward(batch, cache)
+    sync(dev)
+    return 1000 * (time.perf_counter() - t0) / repeats
+
+
+def decode_ms(lm, context: int, tokens: int) -> float:
+    """One job's graph-replayed (on CUDA) decode: ms per token."""
+    gen = Generator(lm, max_batch_size=1, max_seq_len=context + tokens + 8)
+    prompt = random_prompts(1, context, lm.exl_config.vocab_size, seed=5)[0]
+    gen.generate(prompt, max_new_tokens=8, min_new_tokens=8, sampling=GREEDY)           # warm-up
+    job = gen.submit(prompt, max_new_tokens=tokens, min_new_tokens=tokens, sampling=GREEDY)
+    it = iter(job)
+    next(it)                                                                             # prefill
+    t0 = time.perf_counter()
+    n = sum(len(c.token_ids) for c in it)
+    return 1000 * (time.perf_counter() - t0) / n
+
+
+def step_costs(lm, draft_lm, context: int, ks: list[int], repeats: int) -> dict:
+    from exl_backends.cache import KVCache
+    pages = -(-(context + max(ks) + 2) // lm.page_size)
+    cache = KVCache(lm.exl_config, pages, lm.page_size, lm.cache_mode, lm.device, lm.dtype)
+    out = dict(decode_ms=decode_ms(lm, context, 64),
+               verify_ms={k: step_ms(lm.model, cache, k + 1, context, repeats) for k in [0] + ks})
+    if draft_lm is not None:
+        draft_cache = KVCache(draft_lm.exl_config, pages, lm.page_size, lm.cache_mode, lm.device, lm.dtype)
+        out["draft_ms"] = step_ms(draft_lm.model, draft_cache, 1, context, repeats)
+    return out
+
+
+def predicted(costs: dict, k: int, tokens_per_step: float | None, alphas=(0.6, 0.7, 0.8)) -> list[str]:
+    """Speedup over plain graph decode for a step of k drafted tokens."""
+    lines, verify = [], costs["verify_ms"][k]
+    if tokens_per_step:
+        lines.append(f"n-gram, k={k}: {tokens_per_step:.2f} tokens/step (measured on the real model) -> "
+                     f"{tokens_per_step * costs['decode_ms'] / verify:.2f}x")
+    if "draft_ms" in costs:
+        step = k * costs["draft_ms"] + verify
+        for a in alphas:
+            expected = (1 - a ** (k + 1)) / (1 - a)
+            lines.append(f"draft model, k={k}, acceptance {a:.1f}: {expected:.2f} tokens/step -> "
+                         f"{expected * costs['decode_ms'] / step:.2f}x")
+    return lines
+
+
+# ---- n-gram drafting on a real model -------------------------------------------------------------------------------
+
+def count_forwards(gen: Generator) -> list[int]:
+    calls = [0]
+    forward = gen._forward
+
+    def counted(batch):
+        calls[0] += 1
+        return forward(batch)
+    gen._forward = counted
+    return calls
+
+
+def ngram_on_model(model_dir: str, device: str, max_tokens: int, k: int) -> dict:
+    from exl_backends import ExlForCausalLM
+    lm = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=2048)
+    prompt = [{"role": "user", "content": EDIT_TASK}]
+    out = {}
+    for name, kwargs in (("plain", {}), ("ngram", dict(ngram_draft=True, n_draft_tokens=k))):
+        gen = Generator(lm, max_batch_size=1, **kwargs)
+        gen.generate(prompt, max_new_tokens=8, sampling=GREEDY)                          # warm-up
+        calls = count_forwards(gen)
+        sync(lm.device)
+        t0 = time.perf_counter()
+        result = gen.generate(prompt, max_new_tokens=max_tokens, sampling=GREEDY)
+        sync(lm.device)
+        wall = time.perf_counter() - t0
+        n = result.usage.completion_tokens
+        out[name] = dict(text=str(result), tokens=n, steps=calls[0] - 1, wall_s=wall)    # less the prefill
+    assert out["plain"]["text"] == out["ngram"]["text"], "n-gram drafting changed the greedy output"
+    return dict(tokens=out["plain"]["tokens"], tokens_per_step=out["ngram"]["tokens"] / max(out["ngram"]["steps"], 1),
+                plain_tok_s=out["plain"]["tokens"] / out["plain"]["wall_s"],
+                ngram_tok_s=out["ngram"]["tokens"] / out["ngram"]["wall_s"],
+                speedup=out["plain"]["wall_s"] / out["ngram"]["wall_s"], text=out["plain"]["text"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["concurrency", "ttft", "speculative", "all"], default="all")
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--draft-shape", default="llama-3.2-1b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--cache-mode", default="fp16")
+    ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ttft-prompt", type=int, default=2000)
+    ap.add_argument("--ttft-prefix", type=int, default=1900)
+    ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
+    ap.add_argument("--draft-k", default="2,4,8")
+    ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
+    ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model")
+    args = ap.parse_args()
+    parts = ["concurrency", "ttft", "speculative"] if args.part == "all" else [args.part]
+    lines = []
+    if args.model:
+        r = ngram_on_model(args.model, args.device, 400, 4)
+        print(r["text"])
+        args.tokens_per_step = r["tokens_per_step"]
+        lines.append(f"n-gram on {Path(args.model).name} ({args.device}): {r['tokens']} tokens, "
+                     f"{r['tokens_per_step']:.2f} tokens/step, {r['plain_tok_s']:.1f} -> {r['ngram_tok_s']:.1f} "
+                     f"tok/s = {r['speedup']:.2f}x wall clock")
+        parts = [p for p in parts if p != "speculative" or args.part == "speculative"]
+        if args.device == "cpu" and args.part == "speculative":
+            parts = []
+    seq = max(args.prompt_len + args.max_tokens, args.ttft_prompt + 8, args.context + 64)
+    lm = None
+    if parts:
+        lm = SyntheticLM(synthetic_model(args.shape, device=args.device), WordTokenizer(), seq, args.cache_mode)
+    if "concurrency" in parts:
+        for r in concurrency(lm, [int(x) for x in args.levels.split(",")], args.prompt_len, args.max_tokens):
+            lines.append(f"{args.shape} {r['jobs']:>3} jobs: {r['tok_s']:8.1f} tok/s aggregate "
+                         f"({r['vs_one_job']:.1f}x one job), {r['per_job_tok_s']:.1f} tok/s per job, "
+                         f"TTFT {r['ttft_ms']:.0f} ms")
+    if "ttft" in parts:
+        r = ttft(lm, args.ttft_prompt, args.ttft_prefix, rounds=3)
+        lines.append(f"TTFT {r['prompt']}-token prompt: cold {r['cold_ms']:.1f} ms, {r['prefix']}-token prefix "
+                     f"cached ({r['reused_tokens']} tokens reused) {r['cached_ms']:.1f} ms = {r['speedup']:.1f}x")
+    if "speculative" in parts:
+        draft = SyntheticLM(synthetic_model(args.draft_shape, device=args.device, seed=1), WordTokenizer(), seq,
+                            args.cache_mode)
+        ks = [int(x) for x in args.draft_k.split(",")]
+        costs = step_costs(lm, draft, args.context, ks, repeats=20)
+        lines.append(f"step costs at context {args.context}: decode (graph) {costs['decode_ms']:.2f} ms/token, "
+                     + ", ".join(f"verify 1+{k} {ms:.2f} ms" for k, ms in costs["verify_ms"].items())
+                     + f", draft {args.draft_shape} token {costs['draft_ms']:.2f} ms")
+        for k in ks:
+            lines.extend(predicted(costs, k, args.tokens_per_step))
+    print("\n== generation benchmarks ==")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The ctypes mirror of the driver's launch structs (kernels/pdl.py) against cuda.h itself, compiled by nvcc here
+(no GPU needed): a wrong offset would hand the driver garbage grid sizes or a wrong stream. The launches
+themselves run in the GPU tests (every kernel test goes through them on sm_90+)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from exl_backends.kernels import pdl
+
+PROBE = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <cuda.h>
+int main(void) {
+    printf("%zu %zu %zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, blockDimX),
+           offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream),
+           offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute),
+           offsetof(CUlaunchAttribute, value), (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_launch_structs_match_cuda_h(tmp_path):
+    (tmp_path / "probe.c").write_text(PROBE)
+    subprocess.run(["nvcc", "probe.c", "-o", "probe"], cwd=tmp_path, check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
+    C, A = pdl.LaunchConfig, pdl.LaunchAttribute
+    ours = [ctypes.sizeof(C), C.block.offset, C.shared_mem.offset, C.stream.offset, C.attrs.offset,
+            C.n_attrs.offset, ctypes.sizeof(A), A.value.offset, pdl.PROGRAMMATIC_STREAM_SERIALIZATION]
+    assert [int(v) for v in out] == ours
+
+
+def test_arguments_keep_their_exact_c_types():
+    values = [np.int32(-7), np.uint64(2**63 + 5), np.float32(1.5), np.int64(-(2**40))]
+    stored = [pdl._storage(v) for v in values]
+    assert [type(s) for s in stored] == [ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64]
+    assert [s.value for s in stored] == [-7, 2**63 + 5, 1.5, -(2**40)]
+    struct = np.zeros((), np.dtype([("a", np.int32), ("b", np.uint64)]))
+    assert pdl._storage(struct) is struct        # passed by value from its own buffer
