@@ -23,11 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import synthetic_moe_model  # noqa: E402
 
-from exl_backends.batch import Batch, SeqChunk  # noqa: E402
-from exl_backends.bench import copy_bandwidth, fill_cache  # noqa: E402
-from exl_backends.cache import KVCache, bytes_per_token  # noqa: E402
+from exl_backends.bench import copy_bandwidth, decode_speed  # noqa: E402
+from exl_backends.cache import bytes_per_token  # noqa: E402
 from exl_backends.kernels import cuda_ops  # noqa: E402
-from exl_backends.runner import Runner  # noqa: E402
 
 
 def _norm_bytes(*tensors) -> int:
@@ -46,25 +44,6 @@ def step_bytes(model) -> dict:
     all_experts = sum(len(b.mlp.experts) * b.mlp.kernel.bytes_per_expert() for b in model.blocks)
     return dict(attention=attention, router=router, experts=experts, head=head, all_experts=all_experts,
                 total=attention + router + experts + head)
-
-
-def decode(model, context: int, mode: str, steps: int = 64, page_size: int = 256) -> float:
-    """Tokens/s of batch-1 graph-replayed decode steps with a host sync per token (as generation needs)."""
-    n_pages = -(-(context + steps + 8) // page_size)
-    cache = KVCache(model.config, n_pages + 1, page_size, mode, model.device, model.dtype)
-    fill_cache(cache)
-    pages = cache.pool.allocate(n_pages)
-    runner = Runner(model, cache, max_batch=1, max_pages=n_pages)
-    token = 1
-
-    def step(i):
-        return runner.forward(Batch.build([SeqChunk([token], context + i, pages)], page_size, model.device))
-    for i in range(4):
-        token = int(step(i).argmax())
-    t0 = time.perf_counter()
-    for i in range(4, 4 + steps):
-        token = int(step(i).argmax())
-    return steps / (time.perf_counter() - t0)
 
 
 def moe_layer_seconds(model, reps: int = 200) -> float:
@@ -105,7 +84,7 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         for ctx in map(int, args.contexts.split(",")):
-            tok_s = decode(model, ctx, mode)
+            tok_s = decode_speed(model, ctx, mode)["tok_s"]
             total = sizes["total"] + ctx * bytes_per_token(model.config, mode)
             rows.append(dict(what=f"decode {mode} ctx {ctx}", tok_s=tok_s, bytes=total, bound=bw / total,
                              pct=100 * tok_s * total / bw))
