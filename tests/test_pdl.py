@@ -9,8 +9,11 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from exl_backends.kernels import pdl
+
+from conftest import FIXTURES, needs_fixtures
 
 PROBE = r"""
 #include <stdio.h>
@@ -44,3 +47,27 @@ def test_arguments_keep_their_exact_c_types():
     assert [s.value for s in stored] == [-7, 2**63 + 5, 1.5, -(2**40)]
     struct = np.zeros((), np.dtype([("a", np.int32), ("b", np.uint64)]))
     assert pdl._storage(struct) is struct        # passed by value from its own buffer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_fixtures()
+@pytest.mark.parametrize("shape", [(3, 37), (1, 3)], ids=["dequant-matmul", "small-matmul"])
+def test_programmatic_launches_give_the_plain_launches_logits(shape):
+    """Kernels launched on a stream of our own go through cuLaunchKernelEx with programmatic serialization (sm_90+),
+    on the legacy default stream through CuPy's plain launch: the same kernels in the same order, so the logits
+    must be bit-identical. A missing pdl_wait shows up here as a race (different or garbage logits)."""
+    from exl_backends import ExlForCausalLM
+    from exl_backends.kernels import loader
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda")
+    ids = torch.randint(0, model.exl_config.vocab_size, shape, generator=torch.Generator().manual_seed(0)).cuda()
+    plain = model(ids).logits
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ours = [model(ids).logits for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(side)
+    for logits in ours:
+        assert torch.equal(logits, plain)
+    if torch.cuda.get_device_capability() >= loader.PDL_CC:
+        assert loader._use_pdl("quant_matmul", torch.cuda.get_device_capability())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,24 @@ def _cupy_arg(a):
 
 @functools.cache
 def _use_pdl(family: str, cc: tuple[int, int]) -> bool:
-    return family in PDL_FAMILIES and cc >= PDL_CC and os.environ.get("EXL_PDL", "1") != "0"
+    return family in PDL_FAMILIES and cc >= PDL_CC and os.environ.get("EXL_PDL", "1") != "0" and _pdl_works(cc)
+
+
+@functools.cache
+def _pdl_works(cc: tuple[int, int]) -> bool:
+    """One programmatic launch of a kernel that does nothing (softcap of 0 elements), on a stream of its own: a
+    driver that refuses the attribute gets plain launches (with a warning) instead of failing every kernel."""
+    from . import pdl
+    fn = module("activation", cc).get_function("softcap_f32")
+    stream = torch.cuda.Stream()
+    try:
+        pdl.launch(fn.ptr, (1,), (32,), (np.uint64(0), np.uint64(0), np.int64(0), np.float32(1.0)), 0,
+                   stream.cuda_stream)
+        stream.synchronize()
+    except DeviceError as e:
+        warnings.warn(f"programmatic dependent launch is not available ({e}); kernels launch without it")
+        return False
+    return True
 
 
 def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
@@ -103,7 +121,7 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
         fn.max_dynamic_shared_size_bytes = shared_mem
     stream_ptr = torch.cuda.current_stream().cuda_stream
     values = tuple(_arg(a) for a in args)
-    if _use_pdl(family, cc):
+    if stream_ptr and _use_pdl(family, cc):     # the legacy default stream (0) keeps plain launches
         from . import pdl
         pdl.launch(fn.ptr, grid, block, values, shared_mem, stream_ptr)
     else:
