@@ -17,26 +17,29 @@ booked them (job.json), peak memory and one summary line, and deletes everything
 Disk: about 2.1x the fp16 size at the peak (source, job states, quantized layers, output): ~34 GB for 8B.
 Shapes: benchmarks/shapes.py's (llama-3.2-1b for a quick GPU run) and "tiny" (a CPU smoke test, ~30 s).
 
-Prediction for llama-3-8b on one H200, made before any GPU run, from reading the code: 15 minutes is NOT
-plausible as the converter stands; expect ~22-32 minutes: ~30 s a layer measuring, ~15 s quantizing, ~2 s
-in the receipt, plus ~2 min fixed. Where the time goes:
-- GPTQ's column loop (~12-17 min). gptq._quantize_batch quantizes one input row at a time with ~31 aten ops
-  (counted with a TorchDispatchMode at Llama-3-8B shapes: 129.5k ops for a K=4096 linear, 455k for K=14336,
-  at any N), each its own launch on a tile of at most [14, 14336], so it is launch-bound: ~4-6 us of host time
-  per op while the GPU idles. Measurement quantizes every projection under all its distinct settings (14-15
-  attention, 13-14 MLP) in batches of at most 2^28 weights (one batch for q/k/v/o, four for gate/up/down):
-  0.87M ops attention + 1.13M gate/up + 2.15M down = 4.2M ops a layer. The quantization pass: one setting,
-  1.23M ops a layer. 32 layers: ~172M ops.
-- Forward passes (~6 min), f32 matmuls without TF32 at ~50 TFLOPS: measurement runs 19 attention and 17 MLP
-  candidates over 16 x 2048 tokens (~0.15 s and ~0.23 s each); the quantization pass runs each sub-layer
-  twice over 100 x 2048 tokens (~4 s a layer).
-- Host side (~5 min): every sub-layer run moves all rows' f32 states to the GPU and back (3.4 GB each way in
-  the quantization pass, 0.5 GB in measurement), token errors are computed on the CPU, each layer's states
-  go to the job directory (3.4 GB a layer), every packed linear is checked by a CPU dequantization.
+Prediction for llama-3-8b on one H200, made before any GPU run, from reading the code and counting operations
+(aten ops under a TorchDispatchMode on the CPU at the shape's projections and real candidate settings; on CUDA a
+captured graph's replay counts as one, its capture as the ops it ran).
+First version: ~22-32 minutes. GPTQ's row loop issued ~31 ops a row: 4.17M ops a layer measuring, 1.19M
+quantizing, 171M in all, each a launch of a tiny kernel (~4-6 us of host time): ~12-17 min alone; every
+sub-layer run moved the rows' states to the GPU and back (3.4 GB each way quantizing), token errors on the CPU,
+3.4 GB of states written per layer, every packed linear checked on the CPU.
+Now: expect ~9-12 minutes, so under 15 is plausible (not yet measured):
+- GPTQ (~1.5-2.5 min). A row of all settings is 7 ops on [S, N] tiles (quantize, error, rank-1 update of the
+  block), a block's 32 rows one CUDA graph, each group-scale search one graph per group size starting at a block
+  (the settings' bit widths batched), the batch cap raised to total memory / 128 B (every projection's settings
+  in one batch on an H200). Ops issued a layer: measurement 72.6k (4.2k-25k a projection, ~half of them views,
+  8.5k of it one-off captures), quantization 40.8k; 3.6M in all (47x fewer); ~20 s of host time. GPU time a layer:
+  ~1216 blocks x 225 small kernels measuring and again quantizing (~1.2 s) plus the grid searches (~1 s).
+  Eagerly (the CPU path) 587k / 345k ops a layer (5.8x fewer than before).
+- Forward passes (~6 min) unchanged: f32 matmuls without TF32 at ~50 TFLOPS: measurement runs 19 attention and
+  17 MLP candidates over 16 x 2048 tokens, the quantization pass each sub-layer twice over 100 x 2048 tokens.
+- Host side (<1 min): the rows' states stay on the GPU (when 4 copies fit in half the free memory: 14 GB of
+  an H200's 140), token errors are computed there, packed linears are checked there, and each layer's states
+  file (the resume point) is written by a background thread while the next layer computes.
 - Calibration, optimization, writing ~5.8 GB and the receipt (16 x 2048 tokens through both models): ~1-2 min.
-What would reach 15 minutes: run the 32-row GPTQ block as one captured CUDA graph (or one kernel) per block
-(~30x fewer launches), lift the 2^28 batch cap on a big GPU so a projection's settings go in one batch, keep
-the rows' states on the GPU (3.4 GB) and compute errors there.
+What would take it further: TF32 or bf16 matmuls for the candidate forwards (changes the numbers slightly), the
+receipt's states on the GPU.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ with the reference ops), so every architecture the runtime runs converts with ex
 norm offsets, q/k norms, soft-caps, sliding windows, local ropes, GELU-tanh, post-sublayer norms, MoE routing.
 Only the linears differ: each is a CalibLinear, dense f32, which can record the Hessian of its inputs and take
 substituted (fake-quantized) weights. Rows run without a KV cache, each row one sequence attending over itself.
-Only one layer's weights are on the device at a time; the hidden states of all rows stay on the CPU."""
+Only one layer's weights are on the device at a time; the hidden states of all rows stay on the device too when
+they fit (states_device), else on the CPU, and a sub-layer runs over them chunk by chunk."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from .gptq import Hessian
 from .qparams import ATTN_CANDIDATES, MLP_CANDIDATES, QParams
 
 CHUNK_TOKENS = 8192                # tokens per forward chunk (rows are never split)
+STATE_COPIES = 4                   # states-sized tensors alive at once: a sub-layer's input, reference output and
+                                   # trial output, and the previous layer's output being written to the job
 
 
 # ----------------------------------------------------------------------------------------------- what a layer holds
@@ -259,11 +262,22 @@ def chunks(n_rows: int, length: int) -> list[slice]:
     return [slice(r, min(r + per, n_rows)) for r in range(0, n_rows, per)]
 
 
+def states_device(states: Tensor, device: torch.device) -> torch.device:
+    """Where the rows' states [R, L, D] live between sub-layers: on the conversion device when STATE_COPIES of
+    them take at most half of its free memory (the rest is for the layer: weights, Hessians, GPTQ batches),
+    which saves copying them to the device and back on every sub-layer run (8B, quantization pass: 3.4 GB each
+    way); else on the CPU. Where they live does not change any result."""
+    if device.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if STATE_COPIES * states.numel() * 4 <= free // 2 else torch.device("cpu")
+
+
 def run(sub: Sublayer, states: Tensor, layer: Layer, ctx: Context,
         hessians: dict[str, Hessian] | None = None) -> Tensor:
-    """Runs a sub-layer over all rows (states [R, L, D] f32 on the CPU), chunk by chunk on the device.
-    hessians: linear key -> the Hessian that linear's inputs are added to during this run. Returns the
-    outputs [R, L, D] on the CPU."""
+    """Runs a sub-layer over all rows (states [R, L, D] f32, on the CPU or the device), chunk by chunk on the
+    device. hessians: linear key -> the Hessian that linear's inputs are added to during this run. Returns the
+    outputs [R, L, D] where the states are."""
     hessians = hessians or {}
     for key, h in hessians.items():
         layer.linears[key].hessian = h

@@ -3,8 +3,12 @@ written whole or not at all (temporary name, then os.replace). A job killed at a
 finished step when the same command runs again."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import struct
+import threading
 import time
 from enum import Enum
 from pathlib import Path
@@ -119,11 +123,78 @@ def states_file(kind: str, layer: int) -> str:
 
 
 def save_states(job: Job, kind: str, layer: int, states: Tensor) -> None:
-    job.save_tensors(states_file(kind, layer), {"states": states.float().contiguous()})
+    """states [R, L, D] f32 (on any device) as a safetensors file with the one tensor 'states', written whole or
+    not at all. Written directly from the tensor's memory (safetensors' own writer copies it first and holds the
+    GIL meanwhile), so a background thread writing it leaves the conversion running."""
+    data = states.float().contiguous().cpu()
+    header = json.dumps({"states": {"dtype": "F32", "shape": list(data.shape),
+                                    "data_offsets": [0, data.numel() * 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    file = job.path(states_file(kind, layer))
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            f.write(memoryview(data.numpy()).cast("B"))
+        os.replace(tmp, file)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        what = "disk full" if e.errno == errno.ENOSPC else f"cannot write ({e.strerror or e})"
+        raise ExlError(f"{what} while writing {file}: free some space or fix the job directory, then run the same "
+                       f"command again (the job resumes where it stopped)") from None
 
 
 def load_states(job: Job, kind: str, layer: int) -> Tensor:
     return job.load_tensors(states_file(kind, layer))["states"]
+
+
+class StatesWriter:
+    """A pass's per-layer states files (the resume points), each written in a background thread while the next
+    layer computes (8B: 3.4 GB a layer in the quantization pass). A layer counts as done in job.json only once
+    the states after it are on disk, so a killed job resumes as before from the last layer whose states were
+    written: at most one layer further back. Use as a context manager: leaving it by an error waits for the write
+    in flight without recording it."""
+
+    def __init__(self, job: Job, kind: str, stage: Stage, progress_key: str):
+        self.job, self.kind, self.stage, self.key = job, kind, stage, progress_key
+        self._thread: threading.Thread | None = None
+        self._layer = 0
+        self._error: BaseException | None = None
+
+    def put(self, layer: int, states: Tensor) -> None:
+        """Records the previous write, then starts writing the states entering `layer` (states is not changed
+        afterwards by the caller)."""
+        self.flush()
+        self._layer = layer
+        self._thread = threading.Thread(target=self._write, args=(layer, states), daemon=True)
+        self._thread.start()
+
+    def flush(self) -> None:
+        """Waits for the write in flight; records its layer done and removes the resume point before it."""
+        if self._thread is None:
+            return
+        self._join()
+        if self._error is not None:
+            raise self._error
+        self.job.advance(self.stage, **{self.key: self._layer})
+        self.job.remove(states_file(self.kind, self._layer - 1))
+
+    def _write(self, layer: int, states: Tensor) -> None:
+        try:
+            save_states(self.job, self.kind, layer, states)
+        except BaseException as e:              # re-raised in the main thread by flush()
+            self._error = e
+
+    def _join(self) -> None:
+        self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> "StatesWriter":
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None and self._thread is not None:
+            self._join()
 
 
 def _differences(old: dict, new: dict) -> str:

@@ -92,7 +92,7 @@ def _expert_by_expert_errors(sub: Sublayer, x: Tensor, y_ref: Tensor, layer: Lay
     for r in rows:
         h = forward.mlp_input(x[r].to(device).flatten(0, 1), layer.block, ctx)
         routed.append((h, *reference.route(moe.router(h), moe.top_k, moe.renormalize)))
-    sums = [torch.zeros_like(x) for _ in sub.candidates]
+    sums = [torch.zeros(x.shape) for _ in sub.candidates]      # on the CPU wherever the states are
     for e, expert in enumerate(moe.experts):
         fake = trial_weights(sub, layer, hessians, expert=e)
         original = layer.weights(fake)
@@ -103,7 +103,7 @@ def _expert_by_expert_errors(sub: Sublayer, x: Tensor, y_ref: Tensor, layer: Lay
                 tokens, slot = torch.where(selected == e)
                 if tokens.numel():
                     out = expert(h[tokens], REFERENCE_OPS).float() * weights[tokens, slot, None]
-                    sums[c][r].flatten(0, 1).index_add_(0, tokens.to(x.device), out.to(x.device))
+                    sums[c][r].flatten(0, 1).index_add_(0, tokens.cpu(), out.cpu())
         layer.set_weights(original)
         del fake, original                                      # before the next expert's are made
     errors = []

@@ -26,7 +26,7 @@ from ..tensors import TensorStore
 from . import calibration, forward, receipt
 from .forward import Context, quantized_linears
 from .gptq_writer import GptqQuantizer
-from .job import Job, Stage, job_stage, load_states, save_states, states_file
+from .job import Job, Stage, StatesWriter, job_stage, load_states, states_file
 from .measure import check_measurement, measure_layer, measurement_file
 from .optimize import Option, optimize
 from .qparams import HEAD_OPTIONS, QParams
@@ -230,14 +230,15 @@ def _measure(run: Run) -> None:
     layers = json.loads(job.path("measurement.json").read_text())["measurement"] if start else {}
     tokens = job.load_tensors("calibration.safetensors")["measure"]
     states = forward.embed(run.store, config, tokens) if start == 0 else load_states(job, "measure", start)
+    states = states.to(forward.states_device(states, run.device))
     ctx = Context.build(config, tokens.shape[1], run.device)
-    for i in tqdm(range(start, n), initial=start, total=n, desc="measuring", unit="layer"):
-        entries, states = measure_layer(states, forward.load_layer(run.ckpt, config, i, run.device), ctx, i)
-        layers.update(entries)
-        save_states(job, "measure", i + 1, states)
-        write_json(measurement_file(config, layers, i + 1), job.path("measurement.json"))
-        job.advance(Stage.MEASURE, measure_layer=i + 1)
-        job.remove(states_file("measure", i))
+    with StatesWriter(job, "measure", Stage.MEASURE, "measure_layer") as writer:
+        for i in tqdm(range(start, n), initial=start, total=n, desc="measuring", unit="layer"):
+            entries, states = measure_layer(states, forward.load_layer(run.ckpt, config, i, run.device), ctx, i)
+            layers.update(entries)
+            write_json(measurement_file(config, layers, i + 1), job.path("measurement.json"))
+            writer.put(i + 1, states)
+        writer.flush()
     job.advance(Stage.OPTIMIZE)
     job.remove(states_file("measure", n))
 
@@ -269,21 +270,22 @@ def _quantize(run: Run) -> None:
     start = job.state.get("quant_layer", 0)
     tokens = job.load_tensors("calibration.safetensors")["quant"]
     states = forward.embed(run.store, config, tokens) if start == 0 else load_states(job, "quant", start)
+    states = states.to(forward.states_device(states, run.device))
     ctx = Context.build(config, tokens.shape[1], run.device)
     errors = job.state.setdefault("errors", {})
     job.path(QUANT_DIR).mkdir(exist_ok=True)
-    for i in tqdm(range(start, n), initial=start, total=n, desc="quantizing", unit="layer"):
-        result, states = quantize_layer(states, forward.load_layer(run.ckpt, config, i, run.device), ctx, i,
-                                        quantizer, strategy)
-        job.save_tensors(f"{QUANT_DIR}/layer-{i:04d}.safetensors", result.tensors)
-        save_states(job, "quant", i + 1, states)
-        errors.update(result.errors)
-        job.advance(Stage.QUANTIZE, quant_layer=i + 1)
-        job.remove(states_file("quant", i))
+    with StatesWriter(job, "quant", Stage.QUANTIZE, "quant_layer") as writer:
+        for i in tqdm(range(start, n), initial=start, total=n, desc="quantizing", unit="layer"):
+            result, states = quantize_layer(states, forward.load_layer(run.ckpt, config, i, run.device), ctx, i,
+                                            quantizer, strategy)
+            job.save_tensors(f"{QUANT_DIR}/layer-{i:04d}.safetensors", result.tensors)
+            errors.update(result.errors)
+            writer.put(i + 1, states)
+        writer.flush()
     if o.format == "exl2":
         head = config.traits.names.lm_head
-        tensors, errors[head] = quantize_head(load_states(job, "quant", n), forward.load_head(run.ckpt, config,
-                                              run.device), ctx, head, HEAD_OPTIONS[o.head_bits], quantizer)
+        tensors, errors[head] = quantize_head(states, forward.load_head(run.ckpt, config, run.device), ctx, head,
+                                              HEAD_OPTIONS[o.head_bits], quantizer)
         job.save_tensors(f"{QUANT_DIR}/head.safetensors", tensors)
     job.advance(Stage.COMPILE)
     job.remove(states_file("quant", n))
