@@ -63,7 +63,7 @@ class ExlForCausalLM:
 
         Several GPUs: gpu_split="auto" (or GiB per GPU, e.g. [20, 24]) places the layers in order over the visible
         GPUs, planned against their free memory (device: the list of devices to split over, default every visible
-        GPU); tensor_parallel=N shards every layer over N processes, one per GPU (parallel.py; each rank's share
+        GPU); tensor_parallel=N shards every layer over N processes, one per GPU (parallel/; each rank's share
         is planned against its GPU's free memory first; under torchrun, ranks other than 0 serve rank 0's forward
         calls and decode-graph replays inside this call and then exit)."""
         if tensor_parallel is not None and tensor_parallel > 1:
