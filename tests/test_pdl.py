@@ -71,3 +71,12 @@ def test_programmatic_launches_give_the_plain_launches_logits(shape):
         assert torch.equal(logits, plain)
     if torch.cuda.get_device_capability() >= loader.PDL_CC:
         assert loader._use_pdl("quant_matmul", torch.cuda.get_device_capability())
+
+
+def test_cupy_gives_the_cufunction_the_loader_launches():
+    """module().get_function() is a cupy.RawKernel; its `kernel` is the current device's cupy Function, whose
+    `ptr` is the CUfunction cuLaunchKernelEx takes (RawKernel itself has no `ptr`)."""
+    cupy = pytest.importorskip("cupy")
+    assert isinstance(getattr(cupy.RawKernel, "kernel", None), property) or hasattr(cupy.RawKernel, "kernel")
+    assert "ptr" in dir(cupy.cuda.function.Function) and "ptr" not in dir(cupy.RawKernel)
+    assert "max_dynamic_shared_size_bytes" in dir(cupy.RawKernel)

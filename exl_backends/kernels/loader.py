@@ -100,11 +100,11 @@ def _pdl_works(cc: tuple[int, int]) -> bool:
     fn = module("activation", cc).get_function("softcap_f32")
     stream = torch.cuda.Stream()
     try:
-        pdl.launch(fn.ptr, (1,), (32,), (np.uint64(0), np.uint64(0), np.int64(0), np.float32(1.0)), 0,
+        pdl.launch(fn.kernel.ptr, (1,), (32,), (np.uint64(0), np.uint64(0), np.int64(0), np.float32(1.0)), 0,
                    stream.cuda_stream)
         stream.synchronize()
-    except DeviceError as e:
-        warnings.warn(f"programmatic dependent launch is not available ({e}); kernels launch without it")
+    except Exception as e:      # whatever refuses it (driver, library, CuPy version): fall back, never fail
+        warnings.warn(f"programmatic dependent launch is not available ({e!r}); kernels launch without it")
         return False
     return True
 
@@ -123,7 +123,7 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
     values = tuple(_arg(a) for a in args)
     if stream_ptr and _use_pdl(family, cc):     # the legacy default stream (0) keeps plain launches
         from . import pdl
-        pdl.launch(fn.ptr, grid, block, values, shared_mem, stream_ptr)
+        pdl.launch(fn.kernel.ptr, grid, block, values, shared_mem, stream_ptr)
     else:
         fn(tuple(grid), tuple(block), tuple(_cupy_arg(v) for v in values), shared_mem=shared_mem,
            stream=_stream(stream_ptr))
