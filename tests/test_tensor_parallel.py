@@ -335,7 +335,9 @@ def test_exl_serve_under_a_torchrun_launch_serves_from_rank_0(dirs, tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
         procs[0].send_signal(signal.SIGINT)
         outputs = [p.communicate(timeout=60)[0] for p in procs]
-        assert [p.returncode for p in procs] == [130, 0], outputs        # rank 0: Ctrl-C's code; rank 1: done
+        # rank 0 stops cleanly: 130 (Ctrl-C's code) where uvicorn re-raises the signal after its shutdown, 0 where
+        # an older uvicorn swallows it; rank 1 is done
+        assert procs[0].returncode in (0, 130) and procs[1].returncode == 0, outputs
         assert "cannot listen" not in outputs[1] and str(port) not in outputs[1]
     finally:
         for p in procs:
