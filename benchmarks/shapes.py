@@ -64,27 +64,41 @@ BODY_MIX = [(1.0, 4, 128)]                       # 4.0 bpw (+0.03 for scales): s
 HEAD_MIX = [(0.15, 8, 128), (0.85, 6, 128)]      # ExLlamaV2's default head (-hb 6)
 
 
+class _Random:
+    """Random weights of a config on a device, in the real EXL2 layout (linears) or fp16 (norms, embedding)."""
+
+    def __init__(self, config: ModelConfig, device, body_mix, head_mix, seed: int):
+        self.config, self.device, self.body_mix, self.head_mix = config, device, body_mix, head_mix
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def linear(self, k: int, n: int, mix=None) -> QuantLinear:
+        return QuantLinear(random_exl2(k, n, mix or self.body_mix, self.device, self.gen))
+
+    def norm(self) -> torch.Tensor:
+        return (1 + 0.05 * torch.randn(self.config.hidden_size, device=self.device, generator=self.gen)).half()
+
+    def mlp(self, intermediate: int) -> Mlp:
+        d = self.config.hidden_size
+        return Mlp(self.linear(d, intermediate), self.linear(d, intermediate), self.linear(intermediate, d))
+
+    def model(self, mlp_of) -> Model:
+        """mlp_of(): each block's MLP."""
+        c, d, hd = self.config, self.config.hidden_size, self.config.head_dim
+        blocks = []
+        for i in range(c.n_layers):
+            attn = Attention(i, self.linear(d, c.n_heads * hd), self.linear(d, c.n_kv_heads * hd),
+                             self.linear(d, c.n_kv_heads * hd), self.linear(c.n_heads * hd, d),
+                             c.n_heads, c.n_kv_heads, hd)
+            blocks.append(Block(self.norm(), attn, self.norm(), mlp_of()))
+        embed = (torch.randn(c.vocab_size, d, device=self.device, generator=self.gen) * 0.02).half()
+        head = self.linear(d, c.vocab_size, self.head_mix)
+        return Model(c, embed, blocks, self.norm(), head, torch.device(self.device), torch.float16)
+
+
 def synthetic_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_MIX, seed: int = 0) -> Model:
     config = config_for(shape)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    d, hd = config.hidden_size, config.head_dim
-
-    def lin(k, n, mix=body_mix):
-        return QuantLinear(random_exl2(k, n, mix, device, gen))
-
-    def norm():
-        return (1 + 0.05 * torch.randn(d, device=device, generator=gen)).half()
-    blocks = []
-    for i in range(config.n_layers):
-        attn = Attention(i, lin(d, config.n_heads * hd), lin(d, config.n_kv_heads * hd),
-                         lin(d, config.n_kv_heads * hd), lin(config.n_heads * hd, d),
-                         config.n_heads, config.n_kv_heads, hd)
-        mlp = Mlp(lin(d, config.intermediate_size), lin(d, config.intermediate_size), lin(config.intermediate_size, d))
-        blocks.append(Block(norm(), attn, norm(), mlp))
-    embed = (torch.randn(config.vocab_size, d, device=device, generator=gen) * 0.02).half()
-    head = lin(d, config.vocab_size, head_mix)
-    return Model(config, embed, blocks, norm(), head, torch.device(device), torch.float16)
-
+    r = _Random(config, device, body_mix, head_mix, seed)
+    return r.model(lambda: r.mlp(config.intermediate_size))
 
 
 MOE_SHAPES = {   # Mixtral-8x7B: 8 experts of Llama-2-7B-like MLP width on a Mistral-7B body, 2 routed per token
@@ -107,23 +121,10 @@ def synthetic_moe_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=H
     config = moe_config_for(shape)
     if n_layers is not None:
         config = ModelConfig.from_dict(dict(config.raw, num_hidden_layers=n_layers))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    d, hd, moe = config.hidden_size, config.head_dim, config.moe
+    r, moe = _Random(config, device, body_mix, head_mix, seed), config.moe
 
-    def lin(k, n, mix=body_mix):
-        return QuantLinear(random_exl2(k, n, mix, device, gen))
-
-    def norm():
-        return (1 + 0.05 * torch.randn(d, device=device, generator=gen)).half()
-    blocks = []
-    for i in range(config.n_layers):
-        attn = Attention(i, lin(d, config.n_heads * hd), lin(d, config.n_kv_heads * hd),
-                         lin(d, config.n_kv_heads * hd), lin(config.n_heads * hd, d),
-                         config.n_heads, config.n_kv_heads, hd)
-        experts = [Mlp(lin(d, moe.intermediate_size), lin(d, moe.intermediate_size), lin(moe.intermediate_size, d))
-                   for _ in range(moe.n_experts)]
-        router = Linear((torch.randn(moe.n_experts, d, device=device, generator=gen) * 0.02).half())
-        blocks.append(Block(norm(), attn, norm(), MoeMlp(router, experts, moe.top_k, moe.renormalize)))
-    embed = (torch.randn(config.vocab_size, d, device=device, generator=gen) * 0.02).half()
-    head = lin(d, config.vocab_size, head_mix)
-    return Model(config, embed, blocks, norm(), head, torch.device(device), torch.float16)
+    def moe_mlp() -> MoeMlp:
+        experts = [r.mlp(moe.intermediate_size) for _ in range(moe.n_experts)]
+        router = Linear((torch.randn(moe.n_experts, config.hidden_size, device=device, generator=r.gen) * 0.02).half())
+        return MoeMlp(router, experts, moe.top_k, moe.renormalize)
+    return r.model(moe_mlp)
