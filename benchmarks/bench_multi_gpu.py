@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import BODY_MIX, HEAD_MIX, SHAPES, random_exl2  # noqa: E402
 
 from exl_backends import ExlForCausalLM  # noqa: E402
-from exl_backends.batch import Batch, SeqChunk  # noqa: E402
-from exl_backends.bench import copy_bandwidth, decode_speed  # noqa: E402
+from exl_backends.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
 from exl_backends.formats.exl2_writer import linear_tensors, shard_names  # noqa: E402
 
 FIXTURES = Path(os.environ.get("EXL_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "exl2-ref"))
@@ -82,32 +80,10 @@ def write_model(directory: Path, shape: str) -> None:
         (directory / name).write_bytes((TOKENIZER / name).read_bytes())
 
 
-def sync() -> None:
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(i)
-
-
 def decode_tok_s(lm: ExlForCausalLM, context: int, steps: int = 64) -> float:
     """Batch-1 decode at a context (cache filled with random K/V), a host sync per token as generation does;
     through the generator's Runner, so one GPU and tensor parallel replay CUDA graphs, a layer split runs eagerly."""
     return decode_speed(lm.model, context, lm.cache_mode, steps, lm.page_size)["tok_s"]
-
-
-def prefill_tok_s(lm: ExlForCausalLM, n_tokens: int, chunk: int = 2048) -> float:
-    """One prompt of n_tokens in chunks of `chunk` (as the generator's step budget feeds it)."""
-    ps = lm.page_size
-    cache = lm.new_cache(n_tokens)
-    pages = cache.pool.allocate(-(-n_tokens // ps))
-    ids = torch.randint(0, lm.exl_config.vocab_size, (n_tokens,)).tolist()
-
-    def run():
-        for start in range(0, n_tokens, chunk):
-            lm.model.forward(Batch.build([SeqChunk(ids[start:start + chunk], start, pages)], ps, lm.device), cache)
-        sync()
-    run()
-    t0 = time.perf_counter()
-    run()
-    return n_tokens / (time.perf_counter() - t0)
 
 
 def weight_bytes(directory: Path) -> int:
@@ -138,7 +114,7 @@ def main() -> None:
         logits[engine] = lm(probe).logits.cpu()          # every engine against the first on the same tokens
         first = logits[next(iter(logits))]
         rows.append(dict(engine=engine, decode_tok_s=decode_tok_s(lm, args.context), decode_bound=bounds[engine],
-                         prefill_tok_s=prefill_tok_s(lm, args.prefill),
+                         prefill_tok_s=prefill_speed(lm.model, args.prefill, lm.page_size),
                          logits_rel_l2=float((logits[engine] - first).norm() / first.norm()),
                          argmax_agree=float((logits[engine].argmax(-1) == first.argmax(-1)).float().mean())))
         if engine == "tp2":

@@ -9,8 +9,8 @@
 //
 // gate, up, out: n fp16 elements (contiguous). grid ceil(n / (256 * VEC)), block 256: each thread handles VEC
 // consecutive elements; the _vec8 variants move 16-byte vectors (n % 8 == 0 and aligned, checked by the launcher).
-// softcap_f32: x, out n f32 elements, grid ceil(n / (256 * 4)), block 256, 4 elements per thread (16-byte vectors
-// when n % 4 == 0 and aligned: softcap_f32_vec4).
+// softcap_f32: x, out n f32 elements, block 256, one element per thread, grid ceil(n / 256); softcap_f32_vec4: four
+// per thread as 16-byte vectors (n % 4 == 0 and aligned, checked by the launcher), grid ceil(n / 1024).
 #include <cuda_fp16.h>
 
 #include "common.cuh"
