@@ -64,6 +64,8 @@ def main() -> None:
             for ctx in map(int, args.contexts.split(",")):
                 r = decode_speed(model, ctx, mode)
                 bound = bw / r["bytes"]
+                if not r["finite"]:
+                    print(f"warning: {shape} decode {mode} ctx {ctx} gives NaN/inf logits")
                 rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", tok_s=r["tok_s"],
                                  replay_tok_s=r["replay_tok_s"], bound=bound, pct=100 * r["tok_s"] / bound))
         rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model, 2048)))

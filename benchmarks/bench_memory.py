@@ -57,7 +57,8 @@ def main() -> None:
     gen = Generator(lm)
     prompt = torch.randint(0, lm.exl_config.vocab_size, (args.tokens - 64,)).tolist()
     low_free = free_before
-    job = gen.submit(prompt, max_new_tokens=32, min_new_tokens=32, sampling=SamplingParams(temperature=0.0))
+    # greedy argmax with no stop tokens: 32 steps whatever the random weights' logits are
+    job = gen.submit(prompt, max_new_tokens=32, stop_token_ids=[], sampling=SamplingParams(temperature=0.0))
     for _ in job:
         low_free = min(low_free, torch.cuda.mem_get_info()[0])
     torch.cuda.synchronize()

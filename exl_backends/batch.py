@@ -27,10 +27,13 @@ class Batch:
     block_tables: Tensor     # [B, max_pages] int32, padded with 0
     logit_rows: Tensor | None   # [R] int64 rows whose logits are wanted; None: every row
     page_size: int
+    host_lengths: tuple[list[int], list[int]] | None = None     # cu_seqlens and seq_lens as lists, once known
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu",
               all_logits: bool = False) -> "Batch":
+        """The chunks' batch on device: its index tensors are views of two buffers, each copied over in one
+        asynchronous copy (a decode step's inputs cost the host no wait for the GPU)."""
         ids, pos, slots, cu, lens = [], [], [], [0], []
         for c in chunks:
             if (c.start + len(c.tokens) + page_size - 1) // page_size > len(c.pages):
@@ -42,13 +45,23 @@ class Batch:
             cu.append(cu[-1] + len(c.tokens))
             lens.append(c.start + len(c.tokens))
         width = max(len(c.pages) for c in chunks)
-        tables = [c.pages + [0] * (width - len(c.pages)) for c in chunks]
-        rows = None if all_logits else torch.tensor([e - 1 for e in cu[1:]], dtype=torch.int64, device=device)
+        tables = [page for c in chunks for page in c.pages + [0] * (width - len(c.pages))]
+        rows = [] if all_logits else [e - 1 for e in cu[1:]]
+        device = torch.device(device)
+        longs = upload(torch.tensor(ids + pos + slots + rows, dtype=torch.int64), device)
+        ints = upload(torch.tensor(cu + lens + tables, dtype=torch.int32), device)
+        t, b = len(ids), len(chunks)
+        input_ids, positions, slot_ids, logit_rows = longs.split([t, t, t, len(rows)])
+        cu_seqlens, seq_lens, block_tables = ints.split([b + 1, b, b * width])
+        return cls(input_ids, positions, slot_ids, cu_seqlens, seq_lens, block_tables.view(b, width),
+                   None if all_logits else logit_rows, page_size, (cu, lens))
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=device)
-        return cls(t(ids, torch.int64), t(pos, torch.int64), t(slots, torch.int64), t(cu, torch.int32),
-                   t(lens, torch.int32), t(tables, torch.int32), rows, page_size)
+    def lengths_on_host(self) -> tuple[list[int], list[int]]:
+        """(cu_seqlens, seq_lens) as lists: build() keeps them; otherwise read from the device once (a sync)."""
+        if self.host_lengths is None:
+            host = torch.cat((self.cu_seqlens, self.seq_lens)).tolist()
+            self.host_lengths = (host[:self.n_seqs + 1], host[self.n_seqs + 1:])
+        return self.host_lengths
 
     @property
     def n_seqs(self) -> int:
@@ -58,3 +71,9 @@ class Batch:
         """Cache slots of positions 0 .. seq_lens[b]-1 of sequence b, in order."""
         pos = torch.arange(int(self.seq_lens[b]), device=self.block_tables.device)
         return self.block_tables[b].long()[pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+def upload(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on device; to a GPU through pinned memory, without waiting (the caching host allocator keeps
+    the pinned block until the copy has run)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

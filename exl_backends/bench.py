@@ -110,10 +110,12 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
         token = int(step(i).argmax())
     t0 = time.perf_counter()
     for i in range(steps):
-        token = int(step(i).argmax())
+        logits = step(i)
+        token = int(logits.argmax())
     result = dict(tok_s=steps / (time.perf_counter() - t0),
                   bytes=weight_bytes(shard(model)) + context * bytes_per_token(model.config, cache_mode,
-                                                                             model.dtype.itemsize))
+                                                                             model.dtype.itemsize),
+                  finite=bool(torch.isfinite(logits).all()))      # a speed of NaN logits is no speed
     if isinstance(runner.graphs, DecodeGraphs) and model.device.type == "cuda":   # tensor parallel replays in lockstep
         graph = runner.graphs.by_size[1].graph
         _sync(model.device)

@@ -106,6 +106,8 @@ class Runner:
         self.graphs = model.decode_graphs(cache, max_pages, cache.pool.allocate(1)[0]) if self.use_graphs else None
 
     def forward(self, batch: Batch) -> Tensor:
+        """The batch's logits rows; after a graph replay, a view of the graph's static output, valid until the
+        next forward (copy it to keep it)."""
         n = batch.n_seqs     # a decode step: one token and one logits row per sequence (shapes only: no sync)
         is_decode = batch.input_ids.shape[0] == n and batch.logit_rows is not None and batch.logit_rows.numel() == n
         if not (self.use_graphs and is_decode and n <= self.sizes[-1]):

@@ -435,6 +435,9 @@ def probs(logits: Tensor, state: SamplerState, mask: Tensor | None = None) -> Te
     x = filtered_logits(logits, state, mask)
     top = x.argmax()
     if not torch.isfinite(x[top]):
+        if torch.isnan(logits).any() or torch.isposinf(logits).any():
+            raise SamplingError("the model's logits contain NaN or +inf, so no token can be drawn: its activations "
+                                "left fp16's range, or its weights are corrupt")
         raise SamplingError("no token is allowed: the mask, banned_token_ids and penalties removed every token")
     if p.is_greedy:
         return torch.zeros_like(x).index_fill(0, top, 1.0)

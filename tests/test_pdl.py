@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import struct
 import subprocess
 
 import numpy as np
@@ -40,13 +41,23 @@ def test_launch_structs_match_cuda_h(tmp_path):
     assert [int(v) for v in out] == ours
 
 
-def test_arguments_keep_their_exact_c_types():
-    values = [np.int32(-7), np.uint64(2**63 + 5), np.float32(1.5), np.int64(-(2**40))]
-    stored = [pdl._storage(v) for v in values]
-    assert [type(s) for s in stored] == [ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64]
-    assert [s.value for s in stored] == [-7, 2**63 + 5, 1.5, -(2**40)]
-    struct = np.zeros((), np.dtype([("a", np.int32), ("b", np.uint64)]))
-    assert pdl._storage(struct) is struct        # passed by value from its own buffer
+def test_parameters_hold_each_argument_as_its_exact_c_type():
+    """Each kernelParams pointer reads back its argument as the C type the loader's conversions give it (the
+    CuPy path's numpy scalars), wherever it sits among the others; a struct is passed from its own bytes."""
+    by_value = np.zeros((), np.dtype([("a", np.int32), ("b", np.uint64)]))
+    args = (np.int32(-7), np.uint64(2**63 + 5), 3, np.float32(1.5), None, np.int64(-(2**40)), 0.25, True, by_value,
+            np.uint32(2**32 - 1), np.float64(1 / 3))
+    ctype = [ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64,
+             ctypes.c_float, ctypes.c_int32, None, ctypes.c_uint32, ctypes.c_double]
+    params, keep = pdl.parameters(args)
+    pointers = [ctypes.c_void_p.from_address(params + 8 * i).value for i in range(len(args))]
+    read = [None if t is None else t.from_address(pointers[i]).value for i, t in enumerate(ctype)]
+    assert read == [-7, 2**63 + 5, 3, 1.5, 0, -(2**40), 0.25, 1, None, 2**32 - 1, 1 / 3]
+    assert pointers[8] == by_value.ctypes.data
+    with pytest.raises(TypeError, match="argument 0 is a str"):
+        pdl.parameters(("x",))
+    with pytest.raises(struct.error):
+        pdl.parameters((2**31,))                        # a Python int is an int32: never truncated silently
 
 
 @pytest.mark.gpu
@@ -80,3 +91,22 @@ def test_cupy_gives_the_cufunction_the_loader_launches():
     assert isinstance(getattr(cupy.RawKernel, "kernel", None), property) or hasattr(cupy.RawKernel, "kernel")
     assert "ptr" in dir(cupy.cuda.function.Function) and "ptr" not in dir(cupy.RawKernel)
     assert "max_dynamic_shared_size_bytes" in dir(cupy.RawKernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_first_launch_may_come_inside_a_graph_capture():
+    """The probe for programmatic launches needs no sync, so a process whose first programmatic launch is being
+    captured (bench_matmul's was) still captures, and keeps programmatic launches."""
+    from exl_backends import reference
+    from exl_backends.kernels import activation, loader
+    loader._use_pdl.cache_clear()
+    loader._pdl_works.cache_clear()
+    x = torch.randn(3, 1001, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) * 5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = activation.softcap(x, 2.0)
+    graph.replay()
+    torch.testing.assert_close(out, reference.softcap(x, 2.0), rtol=0, atol=0)
+    cc = torch.cuda.get_device_capability()
+    assert loader._use_pdl("activation", cc) == (cc >= loader.PDL_CC)

@@ -282,6 +282,11 @@ def test_mask_bias_and_bans():
         sample(x, s, torch.zeros(V, dtype=torch.bool))
     with pytest.raises(SamplingError, match="outside the vocabulary"):
         sample(x, state(banned_token_ids=[V]))
+    for bad in (math.nan, math.inf):            # the model's fault, not the mask's: said so
+        broken = x.clone()
+        broken[7] = bad
+        with pytest.raises(SamplingError, match="logits contain NaN or \\+inf"):
+            sample(broken, state(min_p=0.1))
 
 
 def test_greedy():

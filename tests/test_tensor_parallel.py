@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from exl_backends import parallel
+from exl_backends.errors import ConfigError
 from exl_backends.batch import Batch, SeqChunk
 from exl_backends.cache import KVCache
 from exl_backends.config import ModelConfig
@@ -287,6 +288,14 @@ def test_tensor_parallel_plan_fits_refuses_and_shortens_per_gpu(dirs, caplog):
         parallel.fit_context(fp, [need_256 // 2] * 2, names, None, 2048)
 
 
+def test_a_second_tensor_parallel_model_in_one_process_is_refused(dirs, monkeypatch):
+    """torch.distributed keeps one default group per process: a second group would hang at its rendezvous."""
+    from exl_backends import ExlForCausalLM
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match="already open in this process"):
+        ExlForCausalLM.from_pretrained(dirs["exl2"], device="cpu", tensor_parallel=2)
+
+
 # ----------------------------------------------------------------------------------------------- serve under torchrun
 
 
@@ -384,14 +393,17 @@ def test_gpu_tensor_parallel_graph_replay_equals_eager_and_one_gpu(dirs, cache_m
     one = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda:0", max_seq_len=256, cache_mode=cache_mode)
     tp = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda", max_seq_len=256, cache_mode=cache_mode,
                                         tensor_parallel=2)
-    graphed, replayed = decode(tp, True)
-    assert graphed.runner.use_graphs and isinstance(graphed.runner.graphs.graphs, DecodeGraphs)
-    sizes = set(graphed.runner.graphs.graphs.by_size)
-    assert 4 in sizes and sizes <= {1, 2, 4}
-    _, eager = decode(tp, False)
+    try:
+        graphed, replayed = decode(tp, True)
+        assert graphed.runner.use_graphs and isinstance(graphed.runner.graphs.graphs, DecodeGraphs)
+        sizes = set(graphed.runner.graphs.graphs.by_size)
+        assert 4 in sizes and sizes <= {1, 2, 4}
+        _, eager = decode(tp, False)
+    finally:
+        tp.model.close()
     _, single = decode(one, True)
-    assert replayed == eager == single
-    tp.model.close()
+    assert replayed == single
+    assert eager == single
 
 
 @pytest.mark.gpu

@@ -1,11 +1,12 @@
-// Elementwise ops of the block, with the roundings of their references:
+// Elementwise ops of the block, with the roundings of their references. This family is compiled without fast math
+// (loader.PRECISE_FAMILIES), so tanhf and '/' are the IEEE / libdevice ones torch's kernels use.
 //  - gated MLP activations, out = fp16(fp16(act(gate)) * up) (reference.silu_mul, reference.gelu_tanh_mul: torch
-//    computes act in f32, rounds it to fp16, then multiplies in fp16). act is silu (exp is the fast-math one, a few
-//    f32 ulps) or GELU with the tanh approximation (transformers' gelu_pytorch_tanh, torch's formula
-//    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), so a result may differ from torch's in the last fp16 bit
-//    now and then.
-//  - softcap, out = tanh(x / cap) * cap on f32 logits (reference.softcap; x * (1/cap) instead of x / cap: an f32
-//    ulp at most).
+//    computes act in f32, rounds it to fp16, then multiplies in fp16). act is silu (exp is the __expf intrinsic, a
+//    few f32 ulps off torch's, so a result may differ in the last fp16 bit now and then) or GELU with the tanh
+//    approximation (transformers' gelu_pytorch_tanh), torch's own formula and order of operations:
+//    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+//  - softcap, out = tanh(x / cap) * cap on f32 logits (reference.softcap), with torch's roundings: torch divides by
+//    a scalar as a product with its reciprocal (rounded to f32), and so does this.
 //
 // gate, up, out: n fp16 elements (contiguous). grid ceil(n / (256 * VEC)), block 256: each thread handles VEC
 // consecutive elements; the _vec8 variants move 16-byte vectors (n % 8 == 0 and aligned, checked by the launcher).

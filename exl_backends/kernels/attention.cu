@@ -314,7 +314,7 @@ __device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int t = t0 + 16 * mt + 8 * (e >> 1) + g;
-            const float s = cap_out != 0.f ? tanhf(sc[mt][e] * cap_in) * cap_out : sc[mt][e] * scale_log2;
+            const float s = cap_out != 0.f ? exl::tanh_accurate(sc[mt][e] * cap_in) * cap_out : sc[mt][e] * scale_log2;
             sc[mt][e] = t >= t_first && t < t_end ? s : neg_inf();
             tile_max[e & 1] = fmaxf(tile_max[e & 1], sc[mt][e]);
         }

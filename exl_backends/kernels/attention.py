@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from ..batch import upload
 from ..errors import ConfigError
 from . import kv_cache
 from .loader import compute_capability, launch, module
@@ -126,14 +127,13 @@ def _counters(device: torch.device, size: int) -> Tensor:
 
 
 def _mixed(q: Tensor, cache, layer: int, batch, scale: float, window: int | None, softcap: float | None) -> Tensor:
-    host = torch.cat((batch.cu_seqlens, batch.seq_lens)).tolist()     # eager path: one host read per call
-    cu, n_keys = host[:batch.n_seqs + 1], host[batch.n_seqs + 1:]
+    cu, n_keys = batch.lengths_on_host()        # eager path: kept by Batch.build (else one host read per forward)
     n_new = [cu[b + 1] - cu[b] for b in range(batch.n_seqs)]
     out = torch.empty_like(q)
     short = [b for b in range(batch.n_seqs) if n_new[b] <= ROW_KERNEL_MAX_NEW]
     if short:
-        rows = torch.tensor([r for b in short for r in range(cu[b], cu[b + 1])], device=q.device)
-        row_seq = torch.tensor([b for b in short for _ in range(n_new[b])], dtype=torch.int32, device=q.device)
+        rows = upload(torch.tensor([r for b in short for r in range(cu[b], cu[b + 1])]), q.device)
+        row_seq = upload(torch.tensor([b for b in short for _ in range(n_new[b])], dtype=torch.int32), q.device)
         out[rows] = split_k(q[rows], cache, layer, batch, batch.positions[rows], row_seq, scale, window, softcap)
     for b in range(batch.n_seqs):
         if n_new[b] > ROW_KERNEL_MAX_NEW:

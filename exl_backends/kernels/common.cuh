@@ -32,6 +32,19 @@ __device__ __forceinline__ void pdl_wait()
 #endif
 }
 
+// ------------------------------------------------------------------------------------------- math
+
+// tanh to a few f32 ulps in a family compiled with --use_fast_math (loader.py), which turns tanhf into the hardware's
+// tanh.approx (relative error ~2^-11): too coarse for soft-capped attention scores. expm1f keeps full precision under
+// fast math and has no cancellation near 0; past |x| = 9, tanh rounds to 1.
+__device__ __forceinline__ float tanh_accurate(float x)
+{
+    const float a = fabsf(x);
+    if (a > 9.f) return copysignf(1.f, x);
+    const float t = expm1f(2.f * a);
+    return copysignf(__fdiv_rn(t, __fadd_rn(t, 2.f)), x);
+}
+
 // ------------------------------------------------------------------------------------------- fp16 bit patterns
 
 // fp16 bits of an integer with |v| <= 2048 (exact).

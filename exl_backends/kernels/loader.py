@@ -17,6 +17,9 @@ from ..errors import DeviceError
 
 KERNEL_DIR = Path(__file__).resolve().parent
 MIN_CC = (7, 5)
+# Families compiled without --use_fast_math, so that their tanhf is the libdevice one torch's kernels call and rounds
+# as their references do (fast math turns tanhf into the hardware's tanh.approx, relative error ~2^-11).
+PRECISE_FAMILIES = frozenset({"activation"})
 PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
 # be launched with programmatic dependent launch (pdl.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
@@ -49,7 +52,9 @@ def module(family: str, cc: tuple[int, int]):
     """The compiled RawModule of `<family>.cu` for compute capability cc (memoised per process)."""
     cp = cupy()
     source = f'#line 1 "{family}.cu"\n' + (KERNEL_DIR / f"{family}.cu").read_text()
-    options = ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}", "--use_fast_math")
+    options = ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}")
+    if family not in PRECISE_FAMILIES:
+        options += ("--use_fast_math",)
     try:
         mod = cp.RawModule(code=source, options=options, backend="nvrtc")
         mod.compile()
@@ -66,11 +71,16 @@ def _stream(ptr: int):
     return cupy().cuda.ExternalStream(ptr)
 
 
+def device_pointer(t: torch.Tensor) -> int:
+    if not t.is_cuda:
+        raise DeviceError(f"a kernel got a {t.device} tensor; every kernel argument must be on the GPU")
+    return t.data_ptr()
+
+
 def _arg(a):
+    """CuPy's launch: a numpy scalar of the argument's C type (as pdl.parameters converts)."""
     if isinstance(a, torch.Tensor):
-        if not a.is_cuda:
-            raise DeviceError(f"a kernel got a {a.device} tensor; every kernel argument must be on the GPU")
-        return np.uint64(a.data_ptr())
+        return np.uint64(device_pointer(a))
     if isinstance(a, bool):
         return np.int32(a)
     if isinstance(a, int):
@@ -94,15 +104,15 @@ def _use_pdl(family: str, cc: tuple[int, int]) -> bool:
 
 @functools.cache
 def _pdl_works(cc: tuple[int, int]) -> bool:
-    """One programmatic launch of a kernel that does nothing (softcap of 0 elements), on a stream of its own: a
-    driver that refuses the attribute gets plain launches (with a warning) instead of failing every kernel."""
+    """One programmatic launch of a kernel that does nothing (softcap of 0 elements) on the current stream: a
+    driver that refuses the attribute says so when the launch is made (no sync needed, so this may run during a
+    CUDA graph capture, where it adds an empty node); it then gets plain launches, with a warning, instead of
+    failing every kernel."""
     from . import pdl
     fn = module("activation", cc).get_function("softcap_f32")
-    stream = torch.cuda.Stream()
     try:
         pdl.launch(fn.kernel.ptr, (1,), (32,), (np.uint64(0), np.uint64(0), np.int64(0), np.float32(1.0)), 0,
-                   stream.cuda_stream)
-        stream.synchronize()
+                   torch.cuda.current_stream().cuda_stream)
     except Exception as e:      # whatever refuses it (driver, library, CuPy version): fall back, never fail
         warnings.warn(f"programmatic dependent launch is not available ({e!r}); kernels launch without it")
         return False
@@ -115,15 +125,30 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
     ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type and a 0-d numpy
     structured array for a struct passed by value. On sm_90+ the families in PDL_FAMILIES launch with
     programmatic dependent launch."""
-    cc = compute_capability()
-    fn = module(family, cc).get_function(kernel)
+    device = torch.cuda.current_device()
+    cc = _capability(device)
+    fn, fn_ptr = _function(family, kernel, device)
     if shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = shared_mem
     stream_ptr = torch.cuda.current_stream().cuda_stream
-    values = tuple(_arg(a) for a in args)
     if stream_ptr and _use_pdl(family, cc):     # the legacy default stream (0) keeps plain launches
         from . import pdl
-        pdl.launch(fn.kernel.ptr, grid, block, values, shared_mem, stream_ptr)
+        pdl.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr)
     else:
-        fn(tuple(grid), tuple(block), tuple(_cupy_arg(v) for v in values), shared_mem=shared_mem,
+        fn(tuple(grid), tuple(block), tuple(_cupy_arg(_arg(a)) for a in args), shared_mem=shared_mem,
            stream=_stream(stream_ptr))
+
+
+# Per-launch lookups, memoised: a decode step outside a CUDA graph launches ~400 kernels, and a launch's host time
+# is its cost there (eager prefill, speculative verify steps).
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return compute_capability(torch.device("cuda", device))
+
+
+@functools.cache
+def _function(family: str, kernel: str, device: int):
+    """(the cupy.RawKernel, its CUfunction on device): CuPy loads a family's module once per device, and device
+    is the current one whenever this is first called for it."""
+    fn = module(family, _capability(device)).get_function(kernel)
+    return fn, fn.kernel.ptr

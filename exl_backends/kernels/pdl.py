@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 
 import numpy as np
+import torch
 
 from ..errors import DeviceError
+from .loader import device_pointer
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
@@ -30,6 +33,9 @@ class LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
 
 
+_SERIALIZE = ctypes.pointer(LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1))   # read-only
+
+
 @functools.cache
 def driver():
     try:
@@ -37,36 +43,55 @@ def driver():
     except OSError as e:
         raise DeviceError(f"cannot load the CUDA driver library libcuda.so.1 ({e}); set EXL_PDL=0 to launch "
                           f"through CuPy only") from None
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                                     ctypes.c_void_p]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
 
-_CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
-          np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
-          np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+# the struct code of one 8-byte parameter slot, per argument type (little-endian, 4-byte values padded to 8)
+_SLOT = {bool: "i4x", int: "i4x", float: "f4x", np.int32: "i4x", np.uint32: "I4x", np.int64: "q", np.uint64: "Q",
+         np.float32: "f4x", np.float64: "d"}
 
 
-def _storage(a) -> ctypes._SimpleCData | np.ndarray:
-    """Something that owns the argument's bytes for the duration of the launch."""
-    if isinstance(a, np.ndarray):            # a struct passed by value (a 0-d structured array)
-        return a
-    return _CTYPE[np.dtype(type(a))](a.item())
+def parameters(args: tuple) -> tuple[int, tuple]:
+    """cuLaunchKernelEx's kernelParams: a pointer per argument to its value, as loader.launch's conversions (Python
+    ints int32, floats float32, tensors device pointers, None a null pointer, numpy scalars their own type).
+    Values are packed into one buffer, 8 bytes each, in one struct.pack (a launch's host cost is mostly this); a
+    struct passed by value (a 0-d numpy structured array) points to its own bytes. Returns the pointer array's
+    address and what must outlive the launch."""
+    fmt, values, structs = ["<"], [], {}
+    for i, a in enumerate(args):
+        code = _SLOT.get(type(a))
+        if code is not None:
+            values.append(a)
+        elif a is None:
+            code = "Q"
+            values.append(0)
+        elif isinstance(a, np.ndarray):
+            code = "8x"
+            structs[i] = a
+        elif isinstance(a, torch.Tensor):       # last: torch's isinstance check is the slow one
+            code = "Q"
+            values.append(device_pointer(a))
+        else:
+            raise TypeError(f"kernel argument {i} is a {type(a).__name__}, which has no C type: pass a numpy scalar")
+        fmt.append(code)
+    n = len(args)
+    block = ctypes.create_string_buffer(16 * n + 8)        # the 8-byte slots, then the pointer array
+    base = ctypes.addressof(block)
+    pointers = [structs[i].ctypes.data if i in structs else base + 8 * i for i in range(n)] if structs else \
+        range(base, base + 8 * n, 8)
+    struct.pack_into("".join(fmt) + f"{n}Q", block, 0, *values, *pointers)
+    return base + 8 * n, (block, structs)
 
 
 def launch(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
            stream_ptr: int) -> None:
-    """Launches a compiled kernel (CUfunction `function_ptr`) with programmatic stream serialization. args are
-    numpy scalars of the exact C types, or 0-d numpy arrays for structs passed by value."""
-    keep = [_storage(a) for a in args]
-    params = (ctypes.c_void_p * max(len(keep), 1))(
-        *[k.ctypes.data if isinstance(k, np.ndarray) else ctypes.addressof(k) for k in keep])
-    attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-    config = LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, stream_ptr,
-                          ctypes.pointer(attr), 1)
+    """Launches a compiled kernel (CUfunction `function_ptr`) with programmatic stream serialization."""
+    params, values = parameters(args)       # values: alive until the driver has read them
+    config = LaunchConfig((tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3], shared_mem, stream_ptr,
+                          _SERIALIZE, 1)
     lib = driver()
     status = lib.cuLaunchKernelEx(ctypes.byref(config), function_ptr, params, None)
     if status:

@@ -262,6 +262,9 @@ def from_pretrained(cls, path, world: int, device, max_seq_len: int | None, cach
         raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
     if device.type == "cuda" and torch.cuda.device_count() < world and launched_rank() is None:
         raise ConfigError(f"tensor_parallel={world} needs {world} GPUs; {torch.cuda.device_count()} are visible")
+    if dist.is_initialized():       # torch.distributed has one default group per process
+        raise ConfigError("a tensor-parallel model is already open in this process: close it first "
+                          "(model.model.close()), or serve the two models from separate processes")
     processes = []
     rank = launched_rank()
     if rank is not None:
