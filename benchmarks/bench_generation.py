@@ -4,8 +4,9 @@
                16 jobs >= 8x one job);
   ttft         time to first token of a 2000-token prompt whose first 1900 tokens are in the prefix cache, vs the
                same length uncached (target >= 5x);
-  speculative  what a speculative step costs on this device: one graph-replayed decode token vs an eager verify
-               step of 1 + k tokens, and a 1B-shape draft model's token. Speedup = tokens per step x decode cost /
+  speculative  what a speculative step costs on this device: one graph-replayed decode token vs a verify
+               step of 1 + k tokens (graph-replayed as the generator runs it; eager beside it), and a 1B-shape
+               draft model's token. Speedup = tokens per step x decode cost /
                step cost. Tokens per step depend on the model and the task, not the device: `--model DIR` measures
                them for n-gram drafting on a real model (e.g. SmolLM2 on the CPU) on a repetitive task (rewriting
                a code block with small edits), with the wall-clock speedup on that device; the table then combines
@@ -98,18 +99,18 @@ def ttft(lm, prompt_len: int, prefix_len: int, rounds: int) -> dict:
 
 # ---- speculative decoding: step costs on this device ---------------------------------------------------------------
 
-def step_ms(model, cache, tokens: int, context: int, repeats: int) -> float:
-    """Eager forward of one sequence's `tokens` new tokens after `context` cached ones (all logits rows)."""
-    dev, ps = model.device, cache.page_size
-    pages = list(range(-(-(context + tokens) // ps)))
+def step_ms(forward, page_size: int, device, tokens: int, context: int, repeats: int) -> float:
+    """forward (a Runner's: a replayed graph on CUDA for up to runner.MAX_TOKENS tokens; or a model's, eager) of
+    one sequence's `tokens` new tokens after `context` cached ones, logits for every row: ms per call."""
+    pages = list(range(-(-(context + tokens) // page_size)))
     chunk = SeqChunk(list(range(1, tokens + 1)), context, pages)
-    batch = Batch.build([chunk], ps, dev, all_logits=True)
-    model.forward(batch, cache)
-    sync(dev)
+    batch = Batch.build([chunk], page_size, device, all_logits=True)
+    forward(batch)                  # warm-up (and the graph's capture)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        model.forward(batch, cache)
-    sync(dev)
+        forward(batch)
+    sync(device)
     return 1000 * (time.perf_counter() - t0) / repeats
 
 
@@ -127,14 +128,21 @@ def decode_ms(lm, context: int, tokens: int) -> float:
 
 
 def step_costs(lm, draft_lm, context: int, ks: list[int], repeats: int) -> dict:
+    """decode: ms per token of graph-replayed decoding (the generator's); verify: a step of 1 + k tokens as the
+    generator runs it (graph-replayed on CUDA); eager: the same step without a graph; draft: a draft model token
+    (graph-replayed decoding)."""
     from exl_backends.cache import KVCache
+    from exl_backends.runner import Runner
     pages = -(-(context + max(ks) + 2) // lm.page_size)
-    cache = KVCache(lm.exl_config, pages, lm.page_size, lm.cache_mode, lm.device, lm.dtype)
+    cache = KVCache(lm.exl_config, pages + 1, lm.page_size, lm.cache_mode, lm.device, lm.dtype)
+    runner = Runner(lm.model, cache, max_batch=1, max_pages=pages)      # its trash page: the extra one
+    step = [0] + ks
     out = dict(decode_ms=decode_ms(lm, context, 64),
-               verify_ms={k: step_ms(lm.model, cache, k + 1, context, repeats) for k in [0] + ks})
+               verify_ms={k: step_ms(runner.forward, lm.page_size, lm.device, k + 1, context, repeats) for k in step},
+               eager_ms={k: step_ms(lambda b: lm.model.forward(b, cache), lm.page_size, lm.device, k + 1, context,
+                                    repeats) for k in step})
     if draft_lm is not None:
-        draft_cache = KVCache(draft_lm.exl_config, pages, lm.page_size, lm.cache_mode, lm.device, lm.dtype)
-        out["draft_ms"] = step_ms(draft_lm.model, draft_cache, 1, context, repeats)
+        out["draft_ms"] = decode_ms(draft_lm, context, 64)
     return out
 
 
@@ -202,7 +210,7 @@ def main() -> None:
     ap.add_argument("--ttft-prompt", type=int, default=2000)
     ap.add_argument("--ttft-prefix", type=int, default=1900)
     ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
-    ap.add_argument("--draft-k", default="2,4,8")
+    ap.add_argument("--draft-k", default="2,4,7")     # 1 + k <= runner.MAX_TOKENS: a captured verify step
     ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
     ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model")
     args = ap.parse_args()
@@ -237,7 +245,8 @@ def main() -> None:
         ks = [int(x) for x in args.draft_k.split(",")]
         costs = step_costs(lm, draft, args.context, ks, repeats=20)
         lines.append(f"step costs at context {args.context}: decode (graph) {costs['decode_ms']:.2f} ms/token, "
-                     + ", ".join(f"verify 1+{k} {ms:.2f} ms" for k, ms in costs["verify_ms"].items())
+                     + ", ".join(f"verify 1+{k} {ms:.2f} ms (eager {costs['eager_ms'][k]:.2f})"
+                                 for k, ms in costs["verify_ms"].items())
                      + f", draft {args.draft_shape} token {costs['draft_ms']:.2f} ms")
         for k in ks:
             lines.extend(predicted(costs, k, args.tokens_per_step))

@@ -28,6 +28,9 @@ class Batch:
     logit_rows: Tensor | None   # [R] int64 rows whose logits are wanted; None: every row
     page_size: int
     host_lengths: tuple[list[int], list[int]] | None = None     # cu_seqlens and seq_lens as lists, once known
+    # when every sequence has the same number t > 1 of new tokens (speculative verify steps): each row's sequence,
+    # int32 [T], so that attention can run short ones as decode rows with no host reads (and in a CUDA graph)
+    row_seq: Tensor | None = None
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu",
@@ -47,14 +50,15 @@ class Batch:
         width = max(len(c.pages) for c in chunks)
         tables = [page for c in chunks for page in c.pages + [0] * (width - len(c.pages))]
         rows = [] if all_logits else [e - 1 for e in cu[1:]]
+        row_seq = uniform_row_seq(cu)
         device = torch.device(device)
         longs = upload(torch.tensor(ids + pos + slots + rows, dtype=torch.int64), device)
-        ints = upload(torch.tensor(cu + lens + tables, dtype=torch.int32), device)
+        ints = upload(torch.tensor(cu + lens + tables + (row_seq or []), dtype=torch.int32), device)
         t, b = len(ids), len(chunks)
         input_ids, positions, slot_ids, logit_rows = longs.split([t, t, t, len(rows)])
-        cu_seqlens, seq_lens, block_tables = ints.split([b + 1, b, b * width])
+        cu_seqlens, seq_lens, block_tables, seqs = ints.split([b + 1, b, b * width, len(row_seq or [])])
         return cls(input_ids, positions, slot_ids, cu_seqlens, seq_lens, block_tables.view(b, width),
-                   None if all_logits else logit_rows, page_size, (cu, lens))
+                   None if all_logits else logit_rows, page_size, (cu, lens), None if row_seq is None else seqs)
 
     def lengths_on_host(self) -> tuple[list[int], list[int]]:
         """(cu_seqlens, seq_lens) as lists: build() keeps them; otherwise read from the device once (a sync)."""
@@ -71,6 +75,14 @@ class Batch:
         """Cache slots of positions 0 .. seq_lens[b]-1 of sequence b, in order."""
         pos = torch.arange(int(self.seq_lens[b]), device=self.block_tables.device)
         return self.block_tables[b].long()[pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+def uniform_row_seq(cu_seqlens: list[int]) -> list[int] | None:
+    """Batch.row_seq's values when every sequence has the same number t > 1 of new tokens, else None."""
+    t = cu_seqlens[1] - cu_seqlens[0]
+    if t < 2 or any(b - a != t for a, b in zip(cu_seqlens, cu_seqlens[1:])):
+        return None
+    return [r // t for r in range(cu_seqlens[-1])]
 
 
 def upload(t: Tensor, device: torch.device) -> Tensor:

@@ -117,7 +117,7 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
                                                                              model.dtype.itemsize),
                   finite=bool(torch.isfinite(logits).all()))      # a speed of NaN logits is no speed
     if isinstance(runner.graphs, DecodeGraphs) and model.device.type == "cuda":   # tensor parallel replays in lockstep
-        graph = runner.graphs.by_size[1].graph
+        graph = runner.graphs.by_shape[1, 1].graph
         _sync(model.device)
         t0 = time.perf_counter()
         for _ in range(steps):

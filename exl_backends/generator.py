@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .batch import Batch, SeqChunk
+from .batch import Batch, SeqChunk, upload
 from .cache import KVCache
 from .errors import ConfigError, ContextLengthError, SamplingError
 from .job import Chunk, Completion, Job
@@ -66,7 +66,8 @@ class Generator:
         self.runner = Runner(model.model, self.cache, max_batch_size, -(-self.max_seq_len // self.page_size),
                              eager=not graphs)       # before anything counts free pages: it takes one
         self.pages = PageManager(self.cache.pool, self.page_size)
-        self.draft = DraftModel(draft_model, model, n_pages, self.page_size) if draft_model is not None else None
+        self.draft = None if draft_model is None else DraftModel(draft_model, model, n_pages, self.page_size,
+                                                                  self.runner)
         self.ngram = ngram_draft
         n_draft = n_draft_tokens if self.draft is not None or ngram_draft else 0
         self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft)
@@ -218,7 +219,7 @@ class Generator:
         rows = logit_rows(plan, chunks)
         device = self.model.device
         batch = Batch.build(chunks, self.page_size, device)
-        flat_rows = torch.tensor([r for rs in rows for r in rs], dtype=torch.int64, device=device)
+        flat_rows = upload(torch.tensor([r for rs in rows for r in rs], dtype=torch.int64), device)
         logits = self._forward(replace(batch, logit_rows=flat_rows))
         if self.draft is not None and prefills:
             self._draft_prefill(prefills)
@@ -269,9 +270,9 @@ class Generator:
 
     def _choose(self, job: Job, logits: Tensor, top: int | None, draft: int | None,
                 q: Tensor | None) -> tuple[int, SampleResult | None]:
+        if job.is_plain_greedy and not job.n_logprobs and top not in job.banned_at(len(job.tokens)):
+            return top, None        # a ban removes other tokens only: the batch's argmax is still this job's
         mask = job.mask(len(job.tokens), logits.shape[-1], logits.device)
-        if job.is_plain_greedy and mask is None and not job.n_logprobs:
-            return top, None
         if draft is None or job.state.params.is_greedy:
             result = sample(logits, job.state, mask, job.n_logprobs)
             return result.token, result if job.n_logprobs else None

@@ -98,11 +98,16 @@ class Job:
 
     # ---- tokens in ------------------------------------------------------------------------------------------------
 
-    def mask(self, position: int, vocab: int, device: torch.device) -> Tensor | None:
-        """bool [vocab] of the tokens allowed at position (the constraint advanced up to it); None: all of them."""
+    def banned_at(self, position: int) -> list[int]:
+        """Tokens banned at position: those taken back there (banned strings), and before min_tokens the stops."""
         banned = list(self.bans.get(position, ()))
         if position < self.min_tokens:
             banned += self.stop_ids
+        return banned
+
+    def mask(self, position: int, vocab: int, device: torch.device) -> Tensor | None:
+        """bool [vocab] of the tokens allowed at position (the constraint advanced up to it); None: all of them."""
+        banned = self.banned_at(position)
         if self.constraint is None and not banned:
             return None
         if self.constraint is None:

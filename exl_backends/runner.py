@@ -3,8 +3,10 @@
 A decode step (every sequence adds one token) has fixed shapes for a given batch size, so it is captured once
 per size of a ladder (1, 2, 4, 8, 16, 32, 64, ...) and replayed with the step's inputs copied into the graph's
 static tensors; a batch is padded up to the next size. Padding rows write their K/V into a reserved page that no
-sequence owns. Python and launch overhead thus leave the per-token path. `eager=True` turns graphs off (debug);
-a model that cannot be captured as one graph (a layer split over several GPUs) runs eagerly.
+sequence owns. Python and launch overhead thus leave the per-token path. A speculative verify step (every
+sequence adds the same t <= 8 tokens: its newest and t - 1 drafted ones) is captured the same way, per (size, t),
+so that checking drafted tokens costs about one decode step. `eager=True` turns graphs off (debug); a model that
+cannot be captured as one graph (a layer split over several GPUs) runs eagerly.
 
 The graphs come from model.decode_graphs: a Model's own, or under tensor parallelism rank 0's
 (parallel.TensorParallelModel), which announce each replay to the other ranks; every rank captures the same
@@ -16,30 +18,40 @@ from torch import Tensor
 
 from .batch import Batch
 from .cache import KVCache
+from .kernels.attention import ROW_KERNEL_MAX_NEW
 from .model import Model
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_TOKENS = ROW_KERNEL_MAX_NEW     # per sequence in a captured step: attention runs such rows as decode rows
+MAX_ROWS = 128                      # of a captured verify step (its f32 logits: rows x vocab x 4 bytes)
 
 
 class DecodeGraph:
-    """One captured decode step for `size` sequences of up to `max_pages` pages each. On the CPU nothing is
-    captured: run() fills the same static inputs and calls the model eagerly on them (a stand-in that lets tests
-    drive the graph path, padding and tensor parallelism's protocol included, without a GPU)."""
+    """One captured step of `size` sequences of `tokens` new tokens each (1: decode; more: a speculative verify
+    step), up to `max_pages` pages per sequence, with logits for every row. On the CPU nothing is captured: run()
+    fills the same static inputs and calls the model eagerly on them (a stand-in that lets tests drive the graph
+    path, padding and tensor parallelism's protocol included, without a GPU)."""
 
-    def __init__(self, model: Model, cache: KVCache, size: int, max_pages: int, trash_page: int,
+    def __init__(self, model: Model, cache: KVCache, size: int, tokens: int, max_pages: int, trash_page: int,
                  pool) -> None:
         dev, ps = model.device, cache.page_size
         self.model, self.cache = model, cache
-        self.size, self.trash_slot = size, trash_page * ps
+        self.size, self.tokens = size, tokens
+        rows = torch.arange(size * tokens, device=dev)
+        # padding sequences: `tokens` tokens at positions 0.. of the trash page (their K/V written there), each
+        # attending to its own and the ones before
+        self.pad_positions = rows % tokens
+        self.pad_slots = trash_page * ps + self.pad_positions
         self.batch = Batch(
-            input_ids=torch.zeros(size, dtype=torch.int64, device=dev),
-            positions=torch.zeros(size, dtype=torch.int64, device=dev),
-            slots=torch.full((size,), self.trash_slot, dtype=torch.int64, device=dev),
-            cu_seqlens=torch.arange(size + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(size, dtype=torch.int32, device=dev),
+            input_ids=torch.zeros(size * tokens, dtype=torch.int64, device=dev),
+            positions=self.pad_positions.clone(),
+            slots=self.pad_slots.clone(),
+            cu_seqlens=torch.arange(size + 1, dtype=torch.int32, device=dev) * tokens,
+            seq_lens=torch.full((size,), tokens, dtype=torch.int32, device=dev),
             block_tables=torch.full((size, max_pages), trash_page, dtype=torch.int32, device=dev),
-            logit_rows=torch.arange(size, dtype=torch.int64, device=dev),
-            page_size=ps)
+            logit_rows=rows,
+            page_size=ps,
+            row_seq=None if tokens == 1 else (rows // tokens).to(torch.int32))
         self.graph = None
         if dev.type != "cuda":
             return
@@ -54,22 +66,23 @@ class DecodeGraph:
 
     def run(self, batch: Batch) -> Tensor:
         n, s = batch.n_seqs, self.batch
-        s.input_ids[:n].copy_(batch.input_ids)
-        s.positions[:n].copy_(batch.positions)
-        s.slots[:n].copy_(batch.slots)
+        rows = n * self.tokens
+        s.input_ids[:rows].copy_(batch.input_ids)
+        s.positions[:rows].copy_(batch.positions)
+        s.slots[:rows].copy_(batch.slots)
         s.seq_lens[:n].copy_(batch.seq_lens)
         width = batch.block_tables.shape[1]
         s.block_tables[:n, :width].copy_(batch.block_tables)
-        # padding rows (and stale rows of a smaller batch) attend to one token of the trash page
-        s.input_ids[n:].zero_()
-        s.positions[n:].zero_()
-        s.slots[n:].fill_(self.trash_slot)
-        s.seq_lens[n:].fill_(1)
+        # padding rows (and stale rows of a smaller batch) attend within the trash page
+        s.input_ids[rows:].zero_()
+        s.positions[rows:].copy_(self.pad_positions[rows:])
+        s.slots[rows:].copy_(self.pad_slots[rows:])
+        s.seq_lens[n:].fill_(self.tokens)
         if self.graph is None:
             self.logits = self.model.forward(s, self.cache)
         else:
             self.graph.replay()
-        return self.logits[:n]
+        return self.logits[:rows]
 
     def reset(self) -> None:
         """Frees the captured graph (before its NCCL communicator is destroyed)."""
@@ -78,38 +91,54 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    """A model's decode graphs over one cache, by batch size, each captured on first use."""
+    """A model's captured steps over one cache, by (batch size, tokens per sequence), each captured on first use."""
 
     def __init__(self, model: Model, cache: KVCache, max_pages: int, trash_page: int):
         self.model, self.cache, self.max_pages, self.trash_page = model, cache, max_pages, trash_page
         self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
-        self.by_size: dict[int, DecodeGraph] = {}
+        self.by_shape: dict[tuple[int, int], DecodeGraph] = {}
 
-    def run(self, size: int, batch: Batch) -> Tensor:
-        graph = self.by_size.get(size)
+    def run(self, size: int, tokens: int, batch: Batch) -> Tensor:
+        graph = self.by_shape.get((size, tokens))
         if graph is None:
-            graph = self.by_size[size] = DecodeGraph(self.model, self.cache, size, self.max_pages,
-                                                     self.trash_page, self.pool)
+            graph = self.by_shape[size, tokens] = DecodeGraph(self.model, self.cache, size, tokens, self.max_pages,
+                                                              self.trash_page, self.pool)
         return graph.run(batch)
 
 
 class Runner:
-    """`forward(batch)` for the generator: graph replay for decode batches, eager otherwise."""
+    """`forward(batch)` for the generator: graph replay for decode and verify batches, eager otherwise."""
 
-    def __init__(self, model: Model, cache: KVCache, max_batch: int, max_pages: int, eager: bool | None = None):
+    def __init__(self, model: Model, cache: KVCache, max_batch: int, max_pages: int, eager: bool | None = None,
+                 trash_page: int | None = None):
         """eager: None (default) replays graphs on CUDA only; True never (debug); False on the CPU too, where
-        DecodeGraph is its eager stand-in (tests)."""
+        DecodeGraph is its eager stand-in (tests). trash_page: the page padding sequences write to (None: one taken
+        from cache's pool; a draft model's cache, whose page numbers are the target's, passes the target's)."""
         self.model, self.cache, self.max_pages = model, cache, max_pages
         wanted = model.device.type == "cuda" if eager is None else not eager
         self.use_graphs = wanted and model.can_capture_graphs
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
-        self.graphs = model.decode_graphs(cache, max_pages, cache.pool.allocate(1)[0]) if self.use_graphs else None
+        self.trash_page = self.graphs = None
+        if self.use_graphs:
+            self.trash_page = cache.pool.allocate(1)[0] if trash_page is None else trash_page
+            self.graphs = model.decode_graphs(cache, max_pages, self.trash_page)
 
     def forward(self, batch: Batch) -> Tensor:
         """The batch's logits rows; after a graph replay, a view of the graph's static output, valid until the
         next forward (copy it to keep it)."""
-        n = batch.n_seqs     # a decode step: one token and one logits row per sequence (shapes only: no sync)
-        is_decode = batch.input_ids.shape[0] == n and batch.logit_rows is not None and batch.logit_rows.numel() == n
-        if not (self.use_graphs and is_decode and n <= self.sizes[-1]):
+        shape = self._graph_shape(batch)
+        if shape is None:
             return self.model.forward(batch, self.cache)
-        return self.graphs.run(next(s for s in self.sizes if s >= n), batch)
+        return self.graphs.run(*shape, batch)
+
+    def _graph_shape(self, batch: Batch) -> tuple[int, int] | None:
+        """(graph batch size, tokens per sequence) of a step a graph serves, else None. From shapes and row_seq
+        only: no sync."""
+        n, rows = batch.n_seqs, batch.input_ids.shape[0]
+        tokens = rows // n
+        alike = rows == n or batch.row_seq is not None          # row_seq: every sequence has `tokens` tokens
+        every_row = batch.logit_rows is None or batch.logit_rows.numel() == rows       # None: every row
+        if not (self.use_graphs and alike and every_row and tokens <= MAX_TOKENS and n <= self.sizes[-1]):
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        return None if tokens > 1 and size * tokens > MAX_ROWS else (size, tokens)

@@ -11,6 +11,7 @@ from torch import Tensor
 from .batch import Batch
 from .cache import KVCache
 from .errors import ConfigError
+from .runner import Runner
 from .sampling import draw
 
 
@@ -57,7 +58,9 @@ class DraftModel:
     """A small model with the target's vocabulary. Its cache has the target's page layout, so a job uses the same
     page table in both and prefix reuse covers both."""
 
-    def __init__(self, draft, target, n_pages: int, page_size: int):
+    def __init__(self, draft, target, n_pages: int, page_size: int, target_runner: Runner):
+        """Its single-token steps replay CUDA graphs when the target's do (its own Runner, padding into the
+        target's trash page, which no job's page table holds)."""
         if draft.exl_config.vocab_size != target.exl_config.vocab_size:
             raise ConfigError(f"draft model {draft.name_or_path} has a vocabulary of {draft.exl_config.vocab_size} "
                               f"tokens, the model {target.exl_config.vocab_size}; a draft model must share the "
@@ -67,6 +70,10 @@ class DraftModel:
                               f"device")
         self.model = draft.model
         self.cache = KVCache(draft.exl_config, n_pages, page_size, draft.cache_mode, draft.device, draft.dtype)
+        t = target_runner
+        self.runner = Runner(draft.model, self.cache, t.sizes[-1], t.max_pages, eager=not t.use_graphs,
+                             trash_page=t.trash_page)
 
     def forward(self, batch: Batch) -> Tensor:
-        return self.model.forward(batch, self.cache)
+        """Logits of batch's rows; a graph's view, valid until the next forward."""
+        return self.runner.forward(batch)

@@ -58,6 +58,8 @@ def paged_attention(q: Tensor, cache, layer: int, batch, scale: float, window: i
         raise ValueError(f"page_size {batch.page_size} is not a multiple of {PAGE_ALIGN}")
     if q.shape[0] == batch.n_seqs:     # every sequence has (at least, so exactly) one new token: decode
         return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap)
+    if batch.row_seq is not None and q.shape[0] <= ROW_KERNEL_MAX_NEW * batch.n_seqs:    # alike and short: verify
+        return split_k(q, cache, layer, batch, batch.positions, batch.row_seq, scale, window, softcap)
     return _mixed(q, cache, layer, batch, scale, window, softcap)
 
 

@@ -67,8 +67,10 @@ def module(family: str, cc: tuple[int, int]):
 
 
 @functools.cache
-def _stream(ptr: int):
-    return cupy().cuda.ExternalStream(ptr)
+def _stream(ptr: int, device: int):
+    """CuPy's handle of torch's stream ptr on device (a CuPy stream belongs to one device; ptr 0, the legacy
+    default stream, exists on every device)."""
+    return cupy().cuda.ExternalStream(ptr, device)
 
 
 def device_pointer(t: torch.Tensor) -> int:
@@ -136,7 +138,7 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
         pdl.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr)
     else:
         fn(tuple(grid), tuple(block), tuple(_cupy_arg(_arg(a)) for a in args), shared_mem=shared_mem,
-           stream=_stream(stream_ptr))
+           stream=_stream(stream_ptr, device))
 
 
 # Per-launch lookups, memoised: a decode step outside a CUDA graph launches ~400 kernels, and a launch's host time

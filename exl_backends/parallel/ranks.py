@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import formats, model
-from ..batch import Batch
+from ..batch import Batch, uniform_row_seq, upload
 from ..cache import CACHE_MODES, KVCache, check_mode
 from ..config import ModelConfig
 from ..errors import ConfigError, OutOfMemoryPlanError
@@ -35,9 +35,9 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 FORWARD, REPLAY, STOP = 1, 2, 3
 # the header: command; the cache (id, pages, page size, mode); the batch (tokens, sequences, page-table width,
-# logit rows or -1: all); how many freed cache ids follow the batch; for REPLAY the graph (batch size, page-table
-# width, trash page)
-HEADER = 13
+# logit rows or -1: all); how many freed cache ids follow the batch; for REPLAY the graph (batch size, tokens per
+# sequence, page-table width, trash page)
+HEADER = 14
 MODES = list(CACHE_MODES)
 
 
@@ -81,9 +81,12 @@ def _unpack(h: list[int], payload: Tensor, device: torch.device) -> tuple[Batch,
     _, _, _, page_size, _, t, b, width, rows, freed = h[:10]
     sizes = [t, t, t, b + 1, b, b * width, max(rows, 0)]
     inputs, free = payload.split([sum(sizes), freed])
+    host_cu, host_lens = inputs[3 * t:3 * t + b + 1].tolist(), inputs[3 * t + b + 1:3 * t + 2 * b + 1].tolist()
+    row_seq = uniform_row_seq(host_cu)
     ids, pos, slots, cu, lens, tables, logit_rows = inputs.to(device).split(sizes)      # one copy over
     batch = Batch(ids, pos, slots, cu.to(torch.int32), lens.to(torch.int32), tables.view(b, width).to(torch.int32),
-                  None if rows < 0 else logit_rows, page_size)
+                  None if rows < 0 else logit_rows, page_size, (host_cu, host_lens),
+                  None if row_seq is None else upload(torch.tensor(row_seq, dtype=torch.int32), device))
     return batch, free.tolist()
 
 
@@ -112,9 +115,9 @@ class TensorParallelModel:
         self._graphs.add(graphs)
         return AnnouncedGraphs(self, graphs)
 
-    def announce(self, cache: KVCache, batch: Batch, graph: tuple[int, int, int] | None = None) -> None:
-        """Tells the other ranks to run batch over their mirror of cache: eagerly, or (graph = (batch size,
-        page-table width, trash page)) by replaying their graph of that step."""
+    def announce(self, cache: KVCache, batch: Batch, graph: tuple[int, int, int, int] | None = None) -> None:
+        """Tells the other ranks to run batch over their mirror of cache: eagerly, or (graph = (batch size, tokens
+        per sequence, page-table width, trash page)) by replaying their graph of that step."""
         cid = self._ids.get(cache)
         if cid is None:
             self._next_id += 1
@@ -125,7 +128,7 @@ class TensorParallelModel:
         rows = -1 if batch.logit_rows is None else batch.logit_rows.numel()
         header = [FORWARD if graph is None else REPLAY, cid, cache.pool.n_pages, cache.page_size,
                   MODES.index(cache.mode), batch.input_ids.numel(), batch.n_seqs, batch.block_tables.shape[1], rows,
-                  len(freed), *(graph or (0, 0, 0))]
+                  len(freed), *(graph or (0, 0, 0, 0))]
         self.channel.send(header, _pack(batch, freed))
 
     def close(self) -> None:
@@ -140,15 +143,15 @@ class AnnouncedGraphs:
     def __init__(self, model: TensorParallelModel, graphs: DecodeGraphs):
         self.model, self.graphs = model, graphs
 
-    def run(self, size: int, batch: Batch) -> Tensor:
+    def run(self, size: int, tokens: int, batch: Batch) -> Tensor:
         g = self.graphs
-        self.model.announce(g.cache, batch, (size, g.max_pages, g.trash_page))
-        return g.run(size, batch)
+        self.model.announce(g.cache, batch, (size, tokens, g.max_pages, g.trash_page))
+        return g.run(size, tokens, batch)
 
 
 def _reset(graphs) -> None:
     for g in list(graphs):
-        for graph in g.by_size.values():
+        for graph in g.by_shape.values():
             graph.reset()
 
 
@@ -181,11 +184,11 @@ def follow(local: model.Model, channel: Channel) -> None:
             if h[0] == FORWARD:
                 local.forward(batch, caches[cid])
                 continue
-            size, max_pages, trash_page = h[10:13]
+            size, tokens, max_pages, trash_page = h[10:14]
             key = (cid, max_pages, trash_page)
             if key not in graphs:
                 graphs[key] = DecodeGraphs(local, caches[cid], max_pages, trash_page)
-            graphs[key].run(size, batch)
+            graphs[key].run(size, tokens, batch)
     finally:
         _reset(graphs.values())
 

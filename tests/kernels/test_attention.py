@@ -94,6 +94,19 @@ def test_mixed_batch(mode, shape):
 
 
 @on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("new", [2, 5, 8])
+@pytest.mark.parametrize("window", [None, 7])
+def test_verify_batch(mode, new, window):
+    """Every sequence `new` tokens (a speculative verify step): Batch.row_seq sends them straight to the decode
+    kernel, each row attending to its own prefix, the step's earlier tokens included."""
+    specs = [(n - 1, new) for n in DECODE_LENS]
+    lists, _ = shuffled_pages(specs, 256, new)
+    assert Batch.build([SeqChunk([1] * k, s, p) for (s, k), p in zip(specs, lists)], 256, "cuda").row_seq is not None
+    run_case((2, 3, 128), mode, specs, 256, seed=new, window=window)
+
+
+@on_gpu
 @pytest.mark.parametrize("shape", [(2, 2, 16), (2, 2, 32), (4, 2, 32)])
 def test_small_head_dims_fp16(shape):
     run_case(shape, "fp16", [(n - 1, 1) for n in DECODE_LENS], 256, seed=3)
