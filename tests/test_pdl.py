@@ -1,6 +1,6 @@
-"""The ctypes mirror of the driver's launch structs (kernels/pdl.py) against cuda.h itself, compiled by nvcc here
+"""The ctypes mirror of the driver's launch structs (kernels/driver.py) against cuda.h itself, compiled by nvcc here
 (no GPU needed): a wrong offset would hand the driver garbage grid sizes or a wrong stream. The launches
-themselves run in the GPU tests (every kernel test goes through them on sm_90+)."""
+themselves run in the GPU tests (every kernel launch goes through them)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from exl_backends.kernels import pdl
+from exl_backends.kernels import driver
 
 from conftest import FIXTURES, needs_fixtures
 
@@ -35,9 +35,9 @@ def test_launch_structs_match_cuda_h(tmp_path):
     (tmp_path / "probe.c").write_text(PROBE)
     subprocess.run(["nvcc", "probe.c", "-o", "probe"], cwd=tmp_path, check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
-    C, A = pdl.LaunchConfig, pdl.LaunchAttribute
+    C, A = driver.LaunchConfig, driver.LaunchAttribute
     ours = [ctypes.sizeof(C), C.block.offset, C.shared_mem.offset, C.stream.offset, C.attrs.offset,
-            C.n_attrs.offset, ctypes.sizeof(A), A.value.offset, pdl.PROGRAMMATIC_STREAM_SERIALIZATION]
+            C.n_attrs.offset, ctypes.sizeof(A), A.value.offset, driver.PROGRAMMATIC_STREAM_SERIALIZATION]
     assert [int(v) for v in out] == ours
 
 
@@ -49,15 +49,15 @@ def test_parameters_hold_each_argument_as_its_exact_c_type():
             np.uint32(2**32 - 1), np.float64(1 / 3))
     ctype = [ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64,
              ctypes.c_float, ctypes.c_int32, None, ctypes.c_uint32, ctypes.c_double]
-    params, keep = pdl.parameters(args)
+    params, keep = driver.parameters(args)
     pointers = [ctypes.c_void_p.from_address(params + 8 * i).value for i in range(len(args))]
     read = [None if t is None else t.from_address(pointers[i]).value for i, t in enumerate(ctype)]
     assert read == [-7, 2**63 + 5, 3, 1.5, 0, -(2**40), 0.25, 1, None, 2**32 - 1, 1 / 3]
     assert pointers[8] == by_value.ctypes.data
     with pytest.raises(TypeError, match="argument 0 is a str"):
-        pdl.parameters(("x",))
+        driver.parameters(("x",))
     with pytest.raises(struct.error):
-        pdl.parameters((2**31,))                        # a Python int is an int32: never truncated silently
+        driver.parameters((2**31,))                        # a Python int is an int32: never truncated silently
 
 
 @pytest.mark.gpu
@@ -66,7 +66,7 @@ def test_parameters_hold_each_argument_as_its_exact_c_type():
 @pytest.mark.parametrize("shape", [(3, 37), (1, 3)], ids=["dequant-matmul", "small-matmul"])
 def test_programmatic_launches_give_the_plain_launches_logits(shape):
     """Kernels launched on a stream of our own go through cuLaunchKernelEx with programmatic serialization (sm_90+),
-    on the legacy default stream through CuPy's plain launch: the same kernels in the same order, so the logits
+    on the legacy default stream without it: the same kernels in the same order, so the logits
     must be bit-identical. A missing pdl_wait shows up here as a race (different or garbage logits)."""
     from exl_backends import ExlForCausalLM
     from exl_backends.kernels import loader

@@ -39,23 +39,25 @@ class GptqQuantizer:
         if self.rtn:
             prepared = Prepared(torch.arange(k, device=weight.device), torch.eye(k, device=weight.device))
         q = quantize(weight, prepared, [layout(k, self.bits, self.group_size)], gptq_sym_scale)[0]
-        inv = torch.argsort(q.perm).cpu()
-        g_idx = (torch.arange(k) // (k if self.group_size == -1 else self.group_size))[inv].to(torch.int32)
-        scales = torch.stack([g["scales"] for g in q.group_data]).cpu()                  # fp16 [G, N]
-        zeros_v1 = torch.full((len(q.group_data), n), 2 ** (self.bits - 1) - 1, dtype=torch.int64)
+        dev = q.codes.device            # packed and checked there (the GPU in a GPU conversion), then saved
+        inv = torch.argsort(q.perm)
+        g_idx = (torch.arange(k, device=dev) // (k if self.group_size == -1 else self.group_size))[inv]
+        scales = torch.stack([g["scales"] for g in q.group_data])                        # fp16 [G, N]
+        zeros_v1 = torch.full((len(q.group_data), n), 2 ** (self.bits - 1) - 1, dtype=torch.int64, device=dev)
         tensors = {
-            f"{key}.qweight": reference.pack_bits(q.codes.cpu()[inv], self.bits),        # original row order
+            f"{key}.qweight": reference.pack_bits(q.codes[inv], self.bits),               # original row order
             f"{key}.qzeros": reference.pack_bits(zeros_v1.T.contiguous(), self.bits).T.contiguous(),
             f"{key}.scales": scales,
-            f"{key}.g_idx": g_idx,
+            f"{key}.g_idx": g_idx.to(torch.int32),
         }
         if bias is not None:
-            tensors[f"{key}.bias"] = bias.to(torch.float16).cpu()
-        got = reference.dequant_gptq(tensors[f"{key}.qweight"], tensors[f"{key}.qzeros"], scales, g_idx, self.bits)
-        if not torch.equal(got, q.weight.cpu()):
+            tensors[f"{key}.bias"] = bias.to(torch.float16)
+        got = reference.dequant_gptq(tensors[f"{key}.qweight"], tensors[f"{key}.qzeros"], scales,
+                                     tensors[f"{key}.g_idx"], self.bits)
+        if not torch.equal(got, q.weight):
             raise ExlError(f"internal error: packed {key} does not dequantize to the quantized weights; "
                            f"please report this")
-        return tensors, q.weight
+        return {name: t.cpu() for name, t in tensors.items()}, q.weight
 
     def config(self) -> dict:
         """quantization_config / quantize_config.json (the keys AutoGPTQ, GPTQModel and transformers read)."""

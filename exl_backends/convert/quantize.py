@@ -82,9 +82,9 @@ class Exl2Quantizer:
                  prepared: Prepared) -> tuple[dict[str, Tensor], Tensor]:
         n, k = weight.shape
         q = quantize(weight, prepared, [qp.groups(k)], exl2_scale)[0]
-        packed = pack_exl2(q, n)
+        packed = pack_exl2(q, n)            # where the codes are: on the GPU for a GPU conversion
         check_exl2(key, packed, q.weight)
-        return linear_tensors(key, packed, bias), q.weight
+        return linear_tensors(key, packed.to(torch.device("cpu")), bias), q.weight
 
 
 def pack_exl2(q: QuantizedLinear, n: int):

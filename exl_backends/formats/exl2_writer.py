@@ -31,7 +31,8 @@ def pack_linear(codes: Tensor, groups: list[tuple[int, int]], scale_codes: Tenso
     scale_codes  [G, N] scale codes qs in 1..16 (the nibble stored is qs - 1)
     scale_max    [G] fp16 per-group maximum scale
     perm         [K] act-order permutation
-    Columns are padded to a multiple of 32 with zero weights (code = zero point, qs = 1)."""
+    Columns are padded to a multiple of 32 with zero weights (code = zero point, qs = 1). Packs where codes are
+    (a GPU conversion packs on the GPU: an 8B layer's codes are ~0.5 GB as int64)."""
     k, n = codes.shape
     np_ = padded(n)
     _check_groups(groups, k)
@@ -40,24 +41,25 @@ def pack_linear(codes: Tensor, groups: list[tuple[int, int]], scale_codes: Tenso
                          f"{len(groups)} groups of {n} columns")
     if int(scale_codes.min()) < 1 or int(scale_codes.max()) > 16:
         raise ValueError("scale codes must lie in 1..16")
-    codes = codes.to(torch.int64).cpu()
+    dev = codes.device
+    codes = codes.to(torch.int64)
     words, q_groups, row, qrow = [], [], 0, 0
     for bits, rows in groups:
-        block = torch.full((rows, np_), 2 ** (bits - 1), dtype=torch.int64)      # padding columns: weight 0
+        block = torch.full((rows, np_), 2 ** (bits - 1), dtype=torch.int64, device=dev)     # padding columns: 0
         block[:, :n] = codes[row: row + rows]
         if int(block.min()) < 0 or int(block.max()) >= 2 ** bits:
             raise ValueError(f"codes of rows {row}..{row + rows - 1} do not fit {bits} bits")
         words.append(reference.pack_bits(block, bits))                           # [rows*bits/32, Np]
         q_groups += [bits, qrow]
         row, qrow = row + rows, qrow + rows * bits // 32
-    nibbles = torch.zeros(len(groups), np_, dtype=torch.int64)
-    nibbles[:, :n] = scale_codes.to(torch.int64).cpu() - 1
-    perm = perm.to(torch.int64).cpu()
+    nibbles = torch.zeros(len(groups), np_, dtype=torch.int64, device=dev)
+    nibbles[:, :n] = scale_codes.to(dev, torch.int64) - 1
+    perm = perm.to(dev, torch.int64)
     return Exl2Weight(
         q_weight=torch.cat(words),
         q_scale=reference.pack_bits(nibbles.T.contiguous(), 4).T.contiguous(),  # [G, Np/8], 8 columns a word
-        q_scale_max=scale_max.to(torch.float16).cpu(),
-        q_groups=torch.tensor(q_groups, dtype=torch.int16),
+        q_scale_max=scale_max.to(dev, torch.float16),
+        q_groups=torch.tensor(q_groups, dtype=torch.int16, device=dev),
         q_invperm=torch.argsort(perm).to(torch.int32),
         in_features=k, out_features=n)
 

@@ -1,5 +1,6 @@
-"""Compiles `<family>.cu` with NVRTC (through cupy.RawModule) for the current GPU and launches its kernels on
-torch's current stream, on torch tensors (zero copy: kernels get raw device pointers).
+"""Compiles `<family>.cu` with NVRTC (through cupy.RawModule) for the current GPU and launches its kernels
+(through the driver: driver.py) on torch's current stream, on torch tensors (zero copy: kernels get raw device
+pointers).
 
 Nothing happens at import. The first launch of a family compiles it for the GPU's compute capability; CuPy
 caches the binary on disk (~/.cupy/kernel_cache), so later processes skip the compile."""
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import DeviceError
+from . import driver
 
 KERNEL_DIR = Path(__file__).resolve().parent
 MIN_CC = (7, 5)
@@ -22,7 +24,7 @@ MIN_CC = (7, 5)
 PRECISE_FAMILIES = frozenset({"activation"})
 PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
-# be launched with programmatic dependent launch (pdl.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
+# be launched with programmatic dependent launch (driver.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
 PDL_FAMILIES = frozenset({"quant_matmul", "norm", "activation", "rope", "attention", "kv_cache"})
 
 
@@ -67,39 +69,6 @@ def module(family: str, cc: tuple[int, int]):
 
 
 @functools.cache
-def _stream(ptr: int, device: int):
-    """CuPy's handle of torch's stream ptr on device (a CuPy stream belongs to one device; ptr 0, the legacy
-    default stream, exists on every device)."""
-    return cupy().cuda.ExternalStream(ptr, device)
-
-
-def device_pointer(t: torch.Tensor) -> int:
-    if not t.is_cuda:
-        raise DeviceError(f"a kernel got a {t.device} tensor; every kernel argument must be on the GPU")
-    return t.data_ptr()
-
-
-def _arg(a):
-    """CuPy's launch: a numpy scalar of the argument's C type (as pdl.parameters converts)."""
-    if isinstance(a, torch.Tensor):
-        return np.uint64(device_pointer(a))
-    if isinstance(a, bool):
-        return np.int32(a)
-    if isinstance(a, int):
-        return np.int32(a)
-    if isinstance(a, float):
-        return np.float32(a)
-    if a is None:
-        return np.uint64(0)
-    return a   # already an explicit numpy scalar (np.int64, np.uint64, ...) or a 0-d struct array
-
-
-def _cupy_arg(a):
-    """CuPy passes a struct by value when it is wrapped."""
-    return cupy().cuda.function.CNumpyArray(a) if isinstance(a, np.ndarray) else a
-
-
-@functools.cache
 def _use_pdl(family: str, cc: tuple[int, int]) -> bool:
     return family in PDL_FAMILIES and cc >= PDL_CC and os.environ.get("EXL_PDL", "1") != "0" and _pdl_works(cc)
 
@@ -110,11 +79,10 @@ def _pdl_works(cc: tuple[int, int]) -> bool:
     driver that refuses the attribute says so when the launch is made (no sync needed, so this may run during a
     CUDA graph capture, where it adds an empty node); it then gets plain launches, with a warning, instead of
     failing every kernel."""
-    from . import pdl
     fn = module("activation", cc).get_function("softcap_f32")
     try:
-        pdl.launch(fn.kernel.ptr, (1,), (32,), (np.uint64(0), np.uint64(0), np.int64(0), np.float32(1.0)), 0,
-                   torch.cuda.current_stream().cuda_stream)
+        driver.launch(fn.kernel.ptr, (1,), (32,), (None, None, np.int64(0), 1.0), 0,
+                      torch.cuda.current_stream().cuda_stream, programmatic=True)
     except Exception as e:      # whatever refuses it (driver, library, CuPy version): fall back, never fail
         warnings.warn(f"programmatic dependent launch is not available ({e!r}); kernels launch without it")
         return False
@@ -123,22 +91,18 @@ def _pdl_works(cc: tuple[int, int]) -> bool:
 
 def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            shared_mem: int = 0) -> None:
-    """Launches `kernel` of `<family>.cu` on torch's current stream. Tensors become device pointers, Python
-    ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type and a 0-d numpy
-    structured array for a struct passed by value. On sm_90+ the families in PDL_FAMILIES launch with
-    programmatic dependent launch."""
+    """Launches `kernel` of `<family>.cu` on torch's current stream (driver.py). Tensors become device pointers,
+    Python ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type and a 0-d
+    numpy structured array for a struct passed by value. On sm_90+ the families in PDL_FAMILIES launch with
+    programmatic dependent launch, except on the legacy default stream."""
     device = torch.cuda.current_device()
     cc = _capability(device)
     fn, fn_ptr = _function(family, kernel, device)
     if shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = shared_mem
     stream_ptr = torch.cuda.current_stream().cuda_stream
-    if stream_ptr and _use_pdl(family, cc):     # the legacy default stream (0) keeps plain launches
-        from . import pdl
-        pdl.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr)
-    else:
-        fn(tuple(grid), tuple(block), tuple(_cupy_arg(_arg(a)) for a in args), shared_mem=shared_mem,
-           stream=_stream(stream_ptr, device))
+    driver.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr,
+                  programmatic=bool(stream_ptr) and _use_pdl(family, cc))
 
 
 # Per-launch lookups, memoised: a decode step outside a CUDA graph launches ~400 kernels, and a launch's host time

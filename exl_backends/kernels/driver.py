@@ -1,11 +1,13 @@
-"""Programmatic dependent launch (sm_90+): a kernel launched with it may start while the kernel before it on the
-stream is still running, up to its `griddepcontrol.wait` (exl::pdl_wait in common.cuh). Our kernels trigger their
-dependents at once and wait before touching anything an earlier kernel wrote, so the next kernel's launch, block
-scheduling and weight prefetches overlap the tail of the one before; in a captured CUDA graph the same holds
-between graph nodes. CuPy launches through cuLaunchKernel, which takes no launch attributes, so this calls the
-driver's cuLaunchKernelEx through ctypes with CuPy's compiled CUfunction.
+"""Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), on CuPy's compiled CUfunction.
 
-Only kernels that wait before reading their inputs may be launched this way; every kernel in this package does."""
+Two reasons not to launch through CuPy: a launch's host time (CuPy converts each argument to a numpy scalar, then
+to a C value; here all of a launch's values are packed in one struct.pack: 8 us for 22 arguments instead of 53 on
+the dev box, and an eager 8B forward makes ~400 launches), and launch attributes, which cuLaunchKernel does not
+take. The one attribute used is programmatic dependent launch (sm_90+): a kernel launched with it may start while
+the kernel before it on the stream is still running, up to its `griddepcontrol.wait` (exl::pdl_wait in
+common.cuh). Our kernels trigger their dependents at once and wait before touching anything an earlier kernel
+wrote, so the next kernel's launch, block scheduling and weight prefetches overlap the tail of the one before; in
+a captured CUDA graph the same holds between graph nodes."""
 from __future__ import annotations
 
 import ctypes
@@ -16,7 +18,6 @@ import numpy as np
 import torch
 
 from ..errors import DeviceError
-from .loader import device_pointer
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
@@ -41,8 +42,8 @@ def driver():
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
-        raise DeviceError(f"cannot load the CUDA driver library libcuda.so.1 ({e}); set EXL_PDL=0 to launch "
-                          f"through CuPy only") from None
+        raise DeviceError(f"cannot load the CUDA driver library libcuda.so.1 ({e}): is the NVIDIA driver "
+                          f"installed?") from None
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -54,9 +55,15 @@ _SLOT = {bool: "i4x", int: "i4x", float: "f4x", np.int32: "i4x", np.uint32: "I4x
          np.float32: "f4x", np.float64: "d"}
 
 
+def device_pointer(t: torch.Tensor) -> int:
+    if not t.is_cuda:
+        raise DeviceError(f"a kernel got a {t.device} tensor; every kernel argument must be on the GPU")
+    return t.data_ptr()
+
+
 def parameters(args: tuple) -> tuple[int, tuple]:
-    """cuLaunchKernelEx's kernelParams: a pointer per argument to its value, as loader.launch's conversions (Python
-    ints int32, floats float32, tensors device pointers, None a null pointer, numpy scalars their own type).
+    """cuLaunchKernelEx's kernelParams: a pointer per argument to its value (Python ints are int32, floats
+    float32, bools int32, tensors device pointers, None a null pointer, numpy scalars their own type).
     Values are packed into one buffer, 8 bytes each, in one struct.pack (a launch's host cost is mostly this); a
     struct passed by value (a 0-d numpy structured array) points to its own bytes. Returns the pointer array's
     address and what must outlive the launch."""
@@ -87,15 +94,16 @@ def parameters(args: tuple) -> tuple[int, tuple]:
 
 
 def launch(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
-           stream_ptr: int) -> None:
-    """Launches a compiled kernel (CUfunction `function_ptr`) with programmatic stream serialization."""
+           stream_ptr: int, programmatic: bool) -> None:
+    """Launches a compiled kernel (CUfunction `function_ptr`) on a stream (0: the legacy default stream), with
+    programmatic stream serialization when `programmatic`."""
     params, values = parameters(args)       # values: alive until the driver has read them
     config = LaunchConfig((tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3], shared_mem, stream_ptr,
-                          _SERIALIZE, 1)
+                          _SERIALIZE if programmatic else None, int(programmatic))
     lib = driver()
     status = lib.cuLaunchKernelEx(ctypes.byref(config), function_ptr, params, None)
     if status:
         text = ctypes.c_char_p()
         lib.cuGetErrorString(status, ctypes.byref(text))
-        raise DeviceError(f"cuLaunchKernelEx failed: {(text.value or b'?').decode()} (CUresult {status}); set "
-                          f"EXL_PDL=0 to launch without programmatic dependent launch")
+        hint = "; set EXL_PDL=0 to launch without programmatic dependent launch" if programmatic else ""
+        raise DeviceError(f"cuLaunchKernelEx failed: {(text.value or b'?').decode()} (CUresult {status}){hint}")
