@@ -180,8 +180,10 @@ def test_cli_generate_with_tensor_parallel_2_gives_the_same_greedy_text(dirs, ca
 
 def greedy(m, eager: bool, steps: int = 5) -> tuple[list[list[int]], torch.Tensor, list[int]]:
     """Three prompts prefilled, then greedy decode steps through a Runner (the second sequence stops after two
-    steps, so batches of 3 and then 2 run: graph sizes 4 and 2, padding rows included). Returns the tokens, the
-    last step's logits and the graph sizes used (a q8 cache: codes per head, alike on every rank)."""
+    steps, so batches of 3 and then 2 run: graph sizes 4 and 2, padding rows included), then a verify-shaped step
+    (each sequence its newest token and two more: a graph of 3 tokens per sequence). Returns the tokens (the
+    verify step's argmaxes last), the last decode step's logits and the graph shapes used (a q8 cache: codes per
+    head, alike on every rank)."""
     from exl_backends.runner import Runner
     cache = KVCache(m.config, 7, 256, "q8", dtype=torch.float32)
     runner = Runner(m, cache, max_batch=4, max_pages=2, eager=eager)
@@ -197,9 +199,11 @@ def greedy(m, eager: bool, steps: int = 5) -> tuple[list[list[int]], torch.Tenso
         logits = runner.forward(Batch.build(chunks, 256))
         for i, t in zip(live, logits.argmax(-1).tolist()):
             tokens[i].append(t)
+    chunks = [SeqChunk([tokens[i][-1], 5, 6], len(prompts[i]) + len(tokens[i]) - 1, pages[i]) for i in live]
+    tokens.append(runner.forward(Batch.build(chunks, 256, all_logits=True)).argmax(-1).tolist())
     graphs = runner.graphs
-    sizes = [] if graphs is None else sorted(size for size, _ in getattr(graphs, "graphs", graphs).by_shape)
-    return tokens, logits, sizes
+    shapes = [] if graphs is None else sorted(getattr(graphs, "graphs", graphs).by_shape)
+    return tokens, logits, shapes
 
 
 def graph_worker(rank: int, world: int, init_method: str, path: str, out_file: str) -> None:
@@ -223,14 +227,15 @@ def graph_worker(rank: int, world: int, init_method: str, path: str, out_file: s
 
 def test_decode_graph_steps_are_mirrored_on_every_rank(dirs, tmp_path):
     """The graph path's protocol on CPU (DecodeGraph's eager stand-in): rank 0 announces each replay with its
-    batch size and inputs, rank 1 replays its own graph of the same size; tokens equal eager TP and one process."""
+    batch size, tokens per sequence and inputs, rank 1 replays its own graph of the same shape; tokens equal eager
+    TP and one process."""
     out_file = str(tmp_path / "rank0.pt")
     run_ranks(graph_worker, (str(dirs["exl2"]), out_file))
     got = torch.load(out_file)
     one = Model.load(dirs["exl2"])
     ref_tokens, ref_logits, _ = greedy(one, eager=True)
-    tokens, logits, sizes = got["graphs"]
-    assert sizes == [2, 4]                       # batches of 3 and 2, padded up
+    tokens, logits, shapes = got["graphs"]
+    assert shapes == [(2, 1), (2, 3), (4, 1)]    # batches of 3 and 2, padded up; the verify step of 2 x 3
     assert tokens == got["eager"][0] == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["eager"][1], ref_logits, rtol=1e-4, atol=1e-4)
