@@ -52,13 +52,14 @@ def random_exl2(k: int, n: int, mix: list[tuple[float, int, int]], device, gen: 
 
     def words(*shape):
         return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device, generator=gen)
-    # group maxima for weights of RMS ~1/sqrt(k) at any width (a code's offset has RMS 2^(b-1)/sqrt(3), a random
-    # 4-bit scale's square ~0.45), so each linear keeps its input's size and a deep random model's residual stream
-    # stays well inside fp16. (Maxima of 0.01-0.03 at every width took the 8B shape's residual past 65504 by its
-    # last layers: NaN logits, whatever the kernels.)
+    # group maxima for weights of RMS ~0.5/sqrt(k) at any width (a code's offset has RMS 2^(b-1)/sqrt(3), a random
+    # 4-bit scale's square ~0.45), so each linear halves its input's size and a deep random model's residual stream
+    # stays well inside fp16 (the 70B shape's 80 layers included). Maxima of 0.01-0.03 at every width took the 8B
+    # shape's residual past 65504 by its last layers: NaN logits, whatever the kernels; at RMS 1/sqrt(k) it still
+    # reached 1.2e4.
     widths = torch.tensor([bits for bits, _ in groups], dtype=torch.float32, device=device)
     spread = 0.7 + 0.6 * torch.rand(g, device=device, generator=gen)
-    scale_max = spread / (0.26 * 2 ** (widths - 1) * k ** 0.5)
+    scale_max = 0.5 * spread / (0.26 * 2 ** (widths - 1) * k ** 0.5)
     return Exl2Weight(
         q_weight=words(qrow, np_), q_scale=words(g, np_ // 8),
         q_scale_max=scale_max.half(),
