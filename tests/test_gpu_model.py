@@ -75,3 +75,23 @@ def test_graph_replay_generates_the_same_tokens_as_eager(cache_mode):
         jobs = [gen.submit(p, max_new_tokens=40, stop_token_ids=[]) for p in prompts]
         return [job.result().token_ids for job in jobs]
     assert run(True) == run(False)
+
+
+@needs_fixtures()
+@pytest.mark.parametrize("drafting", ["ngram", "self-draft"])
+def test_speculative_verify_graphs_generate_the_eager_tokens(drafting):
+    """Speculative decoding with captured verify steps (several tokens per sequence) and, for a draft model, its own
+    captured steps: greedy tokens equal eager decoding's."""
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                           max_seq_len=512)
+    phrase = list(range(30, 37))
+    prompts = [[509] + phrase * 4, [509] + phrase[::-1] * 3, [509] + phrase[2:] * 5]
+    kw = dict(ngram_draft=True) if drafting == "ngram" else dict(draft_model=model)
+
+    def run(graphs):
+        gen = Generator(model, cuda_graphs=graphs, max_batch_size=4, **kw)
+        jobs = [gen.submit(p, max_new_tokens=40, stop_token_ids=[]) for p in prompts]
+        return gen, [job.result().token_ids for job in jobs]
+    gen, replayed = run(True)
+    assert any(tokens > 1 for _, tokens in gen.runner.graphs.by_shape)
+    assert replayed == run(False)[1]
