@@ -34,9 +34,10 @@ class Batch:
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu",
-              all_logits: bool = False) -> "Batch":
+              all_logits: bool = False, logit_rows: list[int] | None = None) -> "Batch":
         """The chunks' batch on device: its index tensors are views of two buffers, each copied over in one
-        asynchronous copy (a decode step's inputs cost the host no wait for the GPU)."""
+        asynchronous copy (a decode step's inputs cost the host no wait for the GPU). Logits rows: every row
+        (all_logits), the given ones, or by default each chunk's last."""
         ids, pos, slots, cu, lens = [], [], [], [0], []
         for c in chunks:
             if (c.start + len(c.tokens) + page_size - 1) // page_size > len(c.pages):
@@ -49,16 +50,16 @@ class Batch:
             lens.append(c.start + len(c.tokens))
         width = max(len(c.pages) for c in chunks)
         tables = [page for c in chunks for page in c.pages + [0] * (width - len(c.pages))]
-        rows = [] if all_logits else [e - 1 for e in cu[1:]]
+        rows = [] if all_logits else [e - 1 for e in cu[1:]] if logit_rows is None else list(logit_rows)
         row_seq = uniform_row_seq(cu)
         device = torch.device(device)
         longs = upload(torch.tensor(ids + pos + slots + rows, dtype=torch.int64), device)
         ints = upload(torch.tensor(cu + lens + tables + (row_seq or []), dtype=torch.int32), device)
         t, b = len(ids), len(chunks)
-        input_ids, positions, slot_ids, logit_rows = longs.split([t, t, t, len(rows)])
+        input_ids, positions, slot_ids, wanted = longs.split([t, t, t, len(rows)])
         cu_seqlens, seq_lens, block_tables, seqs = ints.split([b + 1, b, b * width, len(row_seq or [])])
         return cls(input_ids, positions, slot_ids, cu_seqlens, seq_lens, block_tables.view(b, width),
-                   None if all_logits else logit_rows, page_size, (cu, lens), None if row_seq is None else seqs)
+                   None if all_logits else wanted, page_size, (cu, lens), None if row_seq is None else seqs)
 
     def lengths_on_host(self) -> tuple[list[int], list[int]]:
         """(cu_seqlens, seq_lens) as lists: build() keeps them; otherwise read from the device once (a sync)."""

@@ -23,12 +23,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from .batch import Batch, SeqChunk, upload
+from .batch import Batch, SeqChunk
 from .cache import KVCache
 from .errors import ConfigError, ContextLengthError, SamplingError
 from .job import Chunk, Completion, Job
@@ -217,10 +216,8 @@ class Generator:
         chunks = [self._chunk(job, width, drafts) for job, width in plan]
         prefills = [(job, c) for (job, _), c in zip(plan, chunks) if not job.is_decoding]
         rows = logit_rows(plan, chunks)
-        device = self.model.device
-        batch = Batch.build(chunks, self.page_size, device)
-        flat_rows = upload(torch.tensor([r for rs in rows for r in rs], dtype=torch.int64), device)
-        logits = self._forward(replace(batch, logit_rows=flat_rows))
+        batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=[r for rs in rows for r in rs])
+        logits = self._forward(batch)
         if self.draft is not None and prefills:
             self._draft_prefill(prefills)
         self._take_tokens(plan, chunks, rows, logits, drafts)
@@ -363,8 +360,7 @@ class Generator:
 
     def _draft_prefill(self, pairs: list[tuple[Job, SeqChunk]]) -> None:
         """Runs the target's prefill chunks through the draft model too, so its cache holds the prompts."""
-        batch = Batch.build([c for _, c in pairs], self.page_size, self.model.device)
-        self.draft.forward(replace(batch, logit_rows=torch.zeros(0, dtype=torch.int64, device=self.model.device)))
+        self.draft.forward(Batch.build([c for _, c in pairs], self.page_size, self.model.device, logit_rows=[]))
         for job, c in pairs:
             job.n_draft_cached = c.start + len(c.tokens)
 

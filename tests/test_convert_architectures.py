@@ -188,14 +188,19 @@ def test_moe_measurement_entries_name_the_expert_projections(converted):
 # ----------------------------------------------------------------------------------------------- MoE Hessians
 
 
-def test_expert_hessians_see_only_their_routed_tokens(tmp_path):
-    """Each expert's gate/up Hessian counts exactly the tokens the router sends it, and equals the sum of
-    x^T x over those tokens of the MoE input (the router's input)."""
+def mixtral_moe_layer(tmp_path):
+    """A tiny Mixtral's config, a CPU forward context, its layer 0 loaded and that layer's MoE sub-layer."""
     src = build(tmp_path / "src", "mixtral")
     config = ModelConfig.from_dir(src)
     ctx = forward.Context.build(config, 32, torch.device("cpu"))
     layer = forward.load_layer(formats.open_checkpoint(src), config, 0, torch.device("cpu"))
-    mlp = forward.sublayers(config, 0)[1]
+    return config, ctx, layer, forward.sublayers(config, 0)[1]
+
+
+def test_expert_hessians_see_only_their_routed_tokens(tmp_path):
+    """Each expert's gate/up Hessian counts exactly the tokens the router sends it, and equals the sum of
+    x^T x over those tokens of the MoE input (the router's input)."""
+    config, ctx, layer, mlp = mixtral_moe_layer(tmp_path)
     states = torch.randn(2, 32, config.hidden_size, generator=torch.Generator().manual_seed(0))
     hessians = forward.input_hessians(mlp, layer, ctx.device)
     forward.run(mlp, states, layer, ctx, hessians)
@@ -215,11 +220,7 @@ def test_moe_measurement_holds_one_experts_trial_weights_and_gives_the_whole_lay
     accuracies are exactly those of running the whole sub-layer with every expert's trial weights in place
     (the measurement before the experts were taken one by one). Three rows in chunks of two, so the
     accumulation spans chunks."""
-    src = build(tmp_path / "src", "mixtral")
-    config = ModelConfig.from_dir(src)
-    ctx = forward.Context.build(config, 32, torch.device("cpu"))
-    layer = forward.load_layer(formats.open_checkpoint(src), config, 0, torch.device("cpu"))
-    mlp = forward.sublayers(config, 0)[1]
+    config, ctx, layer, mlp = mixtral_moe_layer(tmp_path)
     states = torch.randn(3, 32, config.hidden_size, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(forward, "CHUNK_TOKENS", 64)
     live, peak, made = [0], [0], [0]

@@ -10,16 +10,20 @@ from exl_backends import reference
 pytestmark = needs_gpu
 
 
+# Llama-3 / Qwen widths for silu, Gemma-2-2B's for GELU-tanh; 1001: the element-by-element kernel
+WIDTHS = [("silu_mul", w) for w in (1536, 14336, 4864, 1001)] + [("gelu_tanh_mul", w) for w in (2304, 9216, 1001)]
+
+
 @pytest.mark.parametrize("rows", (1, 3, 17, 333))
-@pytest.mark.parametrize("width", (1536, 14336, 4864, 1001))      # 1001: the element-by-element kernel
-def test_silu_mul(rows, width):
+@pytest.mark.parametrize("name, width", WIDTHS)
+def test_gated_activation(name, width, rows):
     from exl_backends.kernels import activation
     g = torch.Generator(device="cuda").manual_seed(rows * 31 + width)
     gate = (torch.randn(rows, width, device="cuda", generator=g) * 4).half()
     up = (torch.randn(rows, width, device="cuda", generator=g) * 2 + 0.1).half()
     poison_allocator()
-    ours = activation.silu_mul(gate, up)
-    ref = reference.silu_mul(gate, up)
+    ours = getattr(activation, name)(gate, up)
+    ref = getattr(reference, name)(gate, up)
     assert ours.shape == ref.shape and ours.dtype == torch.float16
     diff = (ours.float() - ref.float()).abs()
     # two roundings in a row, each possibly one step off: allow two steps of the result's magnitude
@@ -28,42 +32,16 @@ def test_silu_mul(rows, width):
     assert (diff == 0).float().mean() > 0.99
 
 
-def test_silu_mul_of_views():
+@pytest.mark.parametrize("name, half", [("silu_mul", 2048), ("gelu_tanh_mul", 1152)])
+def test_gated_activation_of_views(name, half):
     """gate and up as halves of one fused projection output (strided views)."""
     from exl_backends.kernels import activation
-    g = torch.Generator(device="cuda").manual_seed(5)
-    fused = torch.randn(7, 2 * 2048, device="cuda", generator=g).half()
-    gate, up = fused[:, :2048], fused[:, 2048:]
+    g = torch.Generator(device="cuda").manual_seed(half)
+    fused = torch.randn(7, 2 * half, device="cuda", generator=g).half()
+    gate, up = fused[:, :half], fused[:, half:]
     poison_allocator()
-    ours = activation.silu_mul(gate, up)
-    ref = reference.silu_mul(gate, up)
-    assert ((ours.float() - ref.float()).abs() <= ref.float().abs().clamp_min(2**-14) * 2**-9).all()
-
-
-@pytest.mark.parametrize("rows", (1, 3, 17, 333))
-@pytest.mark.parametrize("width", (2304, 9216, 1001))      # Gemma-2-2B widths; 1001: the element-by-element kernel
-def test_gelu_tanh_mul(rows, width):
-    from exl_backends.kernels import activation
-    g = torch.Generator(device="cuda").manual_seed(rows * 37 + width)
-    gate = (torch.randn(rows, width, device="cuda", generator=g) * 3).half()
-    up = (torch.randn(rows, width, device="cuda", generator=g) * 2 + 0.1).half()
-    poison_allocator()
-    ours = activation.gelu_tanh_mul(gate, up)
-    ref = reference.gelu_tanh_mul(gate, up)
-    assert ours.shape == ref.shape and ours.dtype == torch.float16
-    diff = (ours.float() - ref.float()).abs()
-    step = ref.float().abs().clamp_min(2**-14) * 2**-9
-    assert (diff <= step).all(), f"max diff {diff.max().item():.3g}"
-    assert (diff == 0).float().mean() > 0.99
-
-
-def test_gelu_tanh_mul_of_views():
-    from exl_backends.kernels import activation
-    g = torch.Generator(device="cuda").manual_seed(6)
-    fused = torch.randn(5, 2 * 1152, device="cuda", generator=g).half()
-    gate, up = fused[:, :1152], fused[:, 1152:]
-    ours = activation.gelu_tanh_mul(gate, up)
-    ref = reference.gelu_tanh_mul(gate, up)
+    ours = getattr(activation, name)(gate, up)
+    ref = getattr(reference, name)(gate, up)
     assert ((ours.float() - ref.float()).abs() <= ref.float().abs().clamp_min(2**-14) * 2**-9).all()
 
 
