@@ -19,6 +19,8 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -58,7 +60,7 @@ def sync(device: torch.device) -> None:
 
 # ---- concurrency ---------------------------------------------------------------------------------------------------
 
-def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
+def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile: bool = False) -> list[dict]:
     seq = prompt_len + max_tokens
     gen = Generator(lm, max_batch_size=max(levels), max_seq_len=seq, cache_tokens=max(levels) * (seq + lm.page_size))
     vocab = lm.exl_config.vocab_size
@@ -67,6 +69,14 @@ def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int) -> list
         in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens)      # warm-up: graphs
         r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens)
         rows.append(dict(jobs=n, tok_s=r["tok_s"], per_job_tok_s=r["per_request_tok_s"], ttft_ms=r["ttft_ms"]))
+    if profile:     # one job, consumed (so its steps run) in this thread, where cProfile sees them
+        prompt = random_prompts(1, prompt_len, vocab, seed=4000)[0]
+        with cProfile.Profile() as profiler:
+            sum(len(c.token_ids) for c in gen.submit(prompt, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                                       sampling=GREEDY))
+            sync(lm.model.device)
+        print(f"== host profile: 1 job, {prompt_len}-token prompt, {max_tokens} new tokens ==")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     for r in rows:
         r["vs_one_job"] = r["tok_s"] / rows[0]["tok_s"]
     return rows
@@ -211,6 +221,7 @@ def main() -> None:
     ap.add_argument("--ttft-prefix", type=int, default=1900)
     ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
     ap.add_argument("--draft-k", default="2,4,7")     # 1 + k <= runner.MAX_TOKENS: a captured verify step
+    ap.add_argument("--profile", action="store_true", help="cProfile one job after the concurrency runs")
     ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
     ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model")
     args = ap.parse_args()
@@ -231,7 +242,8 @@ def main() -> None:
     if parts:
         lm = SyntheticLM(synthetic_model(args.shape, device=args.device), WordTokenizer(), seq, args.cache_mode)
     if "concurrency" in parts:
-        for r in concurrency(lm, [int(x) for x in args.levels.split(",")], args.prompt_len, args.max_tokens):
+        for r in concurrency(lm, [int(x) for x in args.levels.split(",")], args.prompt_len, args.max_tokens,
+                                 args.profile):
             lines.append(f"{args.shape} {r['jobs']:>3} jobs: {r['tok_s']:8.1f} tok/s aggregate "
                          f"({r['vs_one_job']:.1f}x one job), {r['per_job_tok_s']:.1f} tok/s per job, "
                          f"TTFT {r['ttft_ms']:.0f} ms")

@@ -59,16 +59,22 @@ def main() -> None:
         sync(device)
         wall = (time.perf_counter() - t0) / args.reps
         print(f"  {t:5d} tokens: {1000 * wall:7.2f} ms per forward, host {1000 * host:7.2f} ms")
-    batch = Batch.build([SeqChunk([1], args.context, pages)], ps, device, all_logits=True)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.reps):
-        model.forward(batch, cache)
-    sync(device)
-    profiler.disable()
-    print(f"\n== host profile: {args.reps} one-token forwards ==")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
-
+    for t in (counts[0], counts[-1]):
+        batch = Batch.build([SeqChunk(list(range(1, t + 1)), args.context, pages)], ps, device, all_logits=True)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.reps):
+            model.forward(batch, cache)
+        sync(device)
+        profiler.disable()
+        print(f"\n== host profile: {args.reps} forwards of {t} tokens ==")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+        if device.type == "cuda":       # where the GPU time goes, per kernel
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                model.forward(batch, cache)
+                sync(device)
+            print(f"== GPU time of one forward of {t} tokens ==")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 if __name__ == "__main__":
     main()

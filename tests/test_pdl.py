@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from exl_backends.errors import DeviceError
 from exl_backends.kernels import driver
 
 from conftest import FIXTURES, needs_fixtures
@@ -35,29 +36,37 @@ def test_launch_structs_match_cuda_h(tmp_path):
     (tmp_path / "probe.c").write_text(PROBE)
     subprocess.run(["nvcc", "probe.c", "-o", "probe"], cwd=tmp_path, check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
-    C, A = driver.LaunchConfig, driver.LaunchAttribute
-    ours = [ctypes.sizeof(C), C.block.offset, C.shared_mem.offset, C.stream.offset, C.attrs.offset,
-            C.n_attrs.offset, ctypes.sizeof(A), A.value.offset, driver.PROGRAMMATIC_STREAM_SERIALIZATION]
+    # where CONFIG "<3I3II4xQQI4x" puts blockDimX, sharedMemBytes, hStream, attrs, numAttrs: its prefixes' sizes
+    prefixes = ["<3I", "<3I3I", "<3I3II4x", "<3I3II4xQ", "<3I3II4xQQ"]
+    assert all(driver.CONFIG.startswith(p) for p in prefixes)
+    A = driver.LaunchAttribute
+    ours = [driver.CONFIG_BYTES, *map(struct.calcsize, prefixes), ctypes.sizeof(A), A.value.offset,
+            driver.PROGRAMMATIC_STREAM_SERIALIZATION]
     assert [int(v) for v in out] == ours
 
 
 def test_parameters_hold_each_argument_as_its_exact_c_type():
-    """Each kernelParams pointer reads back its argument as the C type the loader's conversions give it (the
-    CuPy path's numpy scalars), wherever it sits among the others; a struct is passed from its own bytes."""
+    """Each kernelParams pointer reads back its argument as the C type the loader's conversions give it, wherever
+    it sits among the others; a struct is passed from its own bytes; the config ahead of them holds the launch's
+    grid, block, shared memory, stream and the programmatic-serialization attribute."""
     by_value = np.zeros((), np.dtype([("a", np.int32), ("b", np.uint64)]))
     args = (np.int32(-7), np.uint64(2**63 + 5), 3, np.float32(1.5), None, np.int64(-(2**40)), 0.25, True, by_value,
             np.uint32(2**32 - 1), np.float64(1 / 3))
     ctype = [ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64,
              ctypes.c_float, ctypes.c_int32, None, ctypes.c_uint32, ctypes.c_double]
-    params, keep = driver.parameters(args)
+    config, params = driver.pack((5, 3), (128,), 1024, 77, True, args)
     pointers = [ctypes.c_void_p.from_address(params + 8 * i).value for i in range(len(args))]
     read = [None if t is None else t.from_address(pointers[i]).value for i, t in enumerate(ctype)]
     assert read == [-7, 2**63 + 5, 3, 1.5, 0, -(2**40), 0.25, 1, None, 2**32 - 1, 1 / 3]
     assert pointers[8] == by_value.ctypes.data
+    head = struct.unpack_from(driver.CONFIG, config)
+    assert head == (5, 3, 1, 128, 1, 1, 1024, 77, ctypes.addressof(driver._SERIALIZE), 1)
     with pytest.raises(TypeError, match="argument 0 is a str"):
-        driver.parameters(("x",))
+        driver.pack((1,), (1,), 0, 0, False, ("x",))
     with pytest.raises(struct.error):
-        driver.parameters((2**31,))                        # a Python int is an int32: never truncated silently
+        driver.pack((1,), (1,), 0, 0, False, (2**31,))      # a Python int is an int32: never truncated silently
+    with pytest.raises(DeviceError, match="must be on the GPU"):
+        driver.pack((1,), (1,), 0, 0, False, (torch.zeros(3),))
 
 
 @pytest.mark.gpu

@@ -28,13 +28,14 @@ class LaunchAttribute(ctypes.Structure):
                 ("value_pad", ctypes.c_char * 60)]
 
 
-class LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig."""
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
+# CUlaunchConfig (cuda.h): gridDimX/Y/Z, blockDimX/Y/Z, sharedMemBytes, (padding), hStream, attrs, numAttrs,
+# (padding). A launch packs it, its argument values and the kernelParams pointer array into one buffer, in one
+# struct.pack_into: a launch's host cost is mostly this packing.
+CONFIG = "<3I3II4xQQI4x"
+CONFIG_BYTES = struct.calcsize(CONFIG)
 
 
-_SERIALIZE = ctypes.pointer(LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1))   # read-only
+_SERIALIZE = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)      # read-only
 
 
 @functools.cache
@@ -44,7 +45,7 @@ def driver():
     except OSError as e:
         raise DeviceError(f"cannot load the CUDA driver library libcuda.so.1 ({e}): is the NVIDIA driver "
                           f"installed?") from None
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
@@ -53,6 +54,7 @@ def driver():
 # the struct code of one 8-byte parameter slot, per argument type (little-endian, 4-byte values padded to 8)
 _SLOT = {bool: "i4x", int: "i4x", float: "f4x", np.int32: "i4x", np.uint32: "I4x", np.int64: "q", np.uint64: "Q",
          np.float32: "f4x", np.float64: "d"}
+VALUE, POINTER, NULL, STRUCT = range(4)     # what an argument's slot holds: itself, a device pointer, 0, nothing
 
 
 def device_pointer(t: torch.Tensor) -> int:
@@ -61,47 +63,58 @@ def device_pointer(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def parameters(args: tuple) -> tuple[int, tuple]:
-    """cuLaunchKernelEx's kernelParams: a pointer per argument to its value (Python ints are int32, floats
-    float32, bools int32, tensors device pointers, None a null pointer, numpy scalars their own type).
-    Values are packed into one buffer, 8 bytes each, in one struct.pack (a launch's host cost is mostly this); a
-    struct passed by value (a 0-d numpy structured array) points to its own bytes. Returns the pointer array's
-    address and what must outlive the launch."""
-    fmt, values, structs = ["<"], [], {}
-    for i, a in enumerate(args):
-        code = _SLOT.get(type(a))
-        if code is not None:
-            values.append(a)
-        elif a is None:
-            code = "Q"
-            values.append(0)
-        elif isinstance(a, np.ndarray):
-            code = "8x"
-            structs[i] = a
-        elif isinstance(a, torch.Tensor):       # last: torch's isinstance check is the slow one
-            code = "Q"
-            values.append(device_pointer(a))
+@functools.cache
+def _signature(types: tuple[type, ...]) -> tuple[struct.Struct, tuple[int, ...]]:
+    """The packer of a launch whose arguments have these types (config, a slot per argument, the pointer array),
+    and each argument's kind. Kernels are launched with few distinct type signatures, so this is computed once
+    each."""
+    codes, kinds = [], []
+    for i, t in enumerate(types):
+        if t in _SLOT:
+            codes.append(_SLOT[t])
+            kinds.append(VALUE)
+        elif t is type(None):
+            codes.append("Q")
+            kinds.append(NULL)
+        elif issubclass(t, np.ndarray):
+            codes.append("8x")
+            kinds.append(STRUCT)
+        elif issubclass(t, torch.Tensor):
+            codes.append("Q")
+            kinds.append(POINTER)
         else:
-            raise TypeError(f"kernel argument {i} is a {type(a).__name__}, which has no C type: pass a numpy scalar")
-        fmt.append(code)
+            raise TypeError(f"kernel argument {i} is a {t.__name__}, which has no C type: pass a numpy scalar")
+    return struct.Struct(CONFIG + "".join(codes) + f"{len(types)}Q"), tuple(kinds)
+
+
+def pack(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_ptr: int, programmatic: bool,
+         args: tuple) -> tuple[ctypes.Array, int]:
+    """The launch config and cuLaunchKernelEx's kernelParams in one buffer: a pointer per argument to its value
+    (Python ints are int32, floats float32, bools int32, tensors device pointers, None a null pointer, numpy
+    scalars their own type), each value in an 8-byte slot; a struct passed by value (a 0-d numpy structured array)
+    points to its own bytes. Returns the buffer (config at offset 0; it and the structs must outlive the launch)
+    and the pointer array's address."""
+    packer, kinds = _signature(tuple(map(type, args)))
     n = len(args)
-    block = ctypes.create_string_buffer(16 * n + 8)        # the 8-byte slots, then the pointer array
-    base = ctypes.addressof(block)
-    pointers = [structs[i].ctypes.data if i in structs else base + 8 * i for i in range(n)] if structs else \
-        range(base, base + 8 * n, 8)
-    struct.pack_into("".join(fmt) + f"{n}Q", block, 0, *values, *pointers)
-    return base + 8 * n, (block, structs)
+    buffer = ctypes.create_string_buffer(packer.size)
+    slots = ctypes.addressof(buffer) + CONFIG_BYTES
+    values = [a if k is VALUE else device_pointer(a) if k is POINTER else 0
+              for a, k in zip(args, kinds) if k is not STRUCT]
+    pointers = [a.ctypes.data if k is STRUCT else slots + 8 * i for i, (a, k) in enumerate(zip(args, kinds))] \
+        if STRUCT in kinds else range(slots, slots + 8 * n, 8)
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    attrs = ctypes.addressof(_SERIALIZE) if programmatic else 0
+    packer.pack_into(buffer, 0, *g, *b, shared_mem, stream_ptr, attrs, int(programmatic), *values, *pointers)
+    return buffer, slots + 8 * n
 
 
 def launch(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
            stream_ptr: int, programmatic: bool) -> None:
     """Launches a compiled kernel (CUfunction `function_ptr`) on a stream (0: the legacy default stream), with
     programmatic stream serialization when `programmatic`."""
-    params, values = parameters(args)       # values: alive until the driver has read them
-    config = LaunchConfig((tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3], shared_mem, stream_ptr,
-                          _SERIALIZE if programmatic else None, int(programmatic))
+    config, params = pack(grid, block, shared_mem, stream_ptr, programmatic, args)   # alive until the call returns
     lib = driver()
-    status = lib.cuLaunchKernelEx(ctypes.byref(config), function_ptr, params, None)
+    status = lib.cuLaunchKernelEx(ctypes.addressof(config), function_ptr, params, None)
     if status:
         text = ctypes.c_char_p()
         lib.cuGetErrorString(status, ctypes.byref(text))

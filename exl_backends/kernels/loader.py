@@ -100,7 +100,7 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
     fn, fn_ptr = _function(family, kernel, device)
     if shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = shared_mem
-    stream_ptr = torch.cuda.current_stream().cuda_stream
+    stream_ptr = torch._C._cuda_getCurrentRawStream(device)    # torch.cuda.current_stream() costs ~10 us more
     driver.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr,
                   programmatic=bool(stream_ptr) and _use_pdl(family, cc))
 

@@ -433,12 +433,13 @@ class QuantMatmul:
     def _small(self, x: Tensor) -> list[Tensor]:
         m = x.shape[0]
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
+        nulls = (None,) * (MAX_PARTS - len(ys))
         for m0 in range(0, m, ROWS_PER_PASS):
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
-            outs = [y[m0:] for y in ys] + [None] * (MAX_PARTS - len(ys))
+            xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
             launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
-                   args=(self.args[rows], x[m0:], *outs, self._ws(plan, rows, x.device)), shared_mem=plan.smem)
+                   args=(self.args[rows], xs, *outs, *nulls, self._ws(plan, rows, x.device)), shared_mem=plan.smem)
         return ys
 
     def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:
