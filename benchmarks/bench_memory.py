@@ -1,7 +1,8 @@
 """Peak GPU memory against the memory planner's prediction (issue #4: the 8B shape at 32k context with a q4 cache
 within 5 %). Writes the synthetic EXL2 checkpoint that bench_multi_gpu.py uses (once, to --dir), plans it from its
 headers exactly as from_pretrained does, then loads it, runs a prompt of the full context through the Generator
-(prefill in 2048-token steps) and a few decode steps, and compares:
+(prefill in 2048-token steps) and a few decode steps, then JOBS short jobs at once (a step sampling from 32
+rows dequantizes the 6-bit head, the plan's largest scratch tensor), and compares:
 
   allocated  torch.cuda.max_memory_allocated() over the run (every tensor we and torch make);
   reserved   torch.cuda.max_memory_reserved(): the same plus the caching allocator's unused blocks;
@@ -24,6 +25,8 @@ from bench_multi_gpu import write_model  # noqa: E402
 
 from exl_backends import ExlForCausalLM, Generator, SamplingParams, formats, planner  # noqa: E402
 from exl_backends.config import ModelConfig  # noqa: E402
+
+JOBS = 32           # the Generator's default max_batch_size
 
 GIB = 2 ** 30
 
@@ -51,16 +54,24 @@ def main() -> None:
     plan = planner.plan(formats.open_checkpoint(directory), ModelConfig.from_dir(directory), args.tokens,
                         args.cache_mode)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()        # writing the model left blocks in torch's cache: loading would reuse them unseen
     free_before = torch.cuda.mem_get_info()[0]
     torch.cuda.reset_peak_memory_stats()
     lm = ExlForCausalLM.from_pretrained(directory, device="cuda", max_seq_len=args.tokens, cache_mode=args.cache_mode)
-    gen = Generator(lm)
+    gen = Generator(lm, max_batch_size=JOBS)
     prompt = torch.randint(0, lm.exl_config.vocab_size, (args.tokens - 64,)).tolist()
     low_free = free_before
     # greedy argmax with no stop tokens: 32 steps whatever the random weights' logits are
     job = gen.submit(prompt, max_new_tokens=32, stop_token_ids=[], sampling=SamplingParams(temperature=0.0))
     for _ in job:
         low_free = min(low_free, torch.cuda.mem_get_info()[0])
+    # then the plan's other case: a step sampling from >= LARGE_M rows dequantizes the (quantized) head, as JOBS
+    # decoding jobs do; submitted together, their prompts also fill most of a prefill chunk
+    jobs = [gen.submit(torch.randint(0, lm.exl_config.vocab_size, (96,)).tolist(), max_new_tokens=16,
+                       stop_token_ids=[], sampling=SamplingParams(temperature=0.0)) for _ in range(JOBS)]
+    for j in jobs:
+        for _ in j:
+            low_free = min(low_free, torch.cuda.mem_get_info()[0])
     torch.cuda.synchronize()
     allocated = torch.cuda.max_memory_allocated()
     device = free_before - min(low_free, torch.cuda.mem_get_info()[0])

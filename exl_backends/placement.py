@@ -36,7 +36,7 @@ class SplitCosts:
     embedding: int              # with layer 0
     head: int                   # final norm + lm_head, with the last layer
     scratch: int                # on every device that holds a layer: activations of a prefill chunk + dequant
-    logits: int                 # on the last device only: the head's output of a prefill chunk
+    logits: int                 # on the last device only: the head's output (planner.Footprint.logits)
     reserve: int                # on every device used
 
     def item(self, i: int) -> int:
@@ -76,8 +76,7 @@ def split_costs(ckpt: formats.Checkpoint, config: ModelConfig, tokens: int, cach
             head += planner.PREPARE_BYTES_PER_ROW * d
             dequant = max(dequant, d * formats.exl2.padded(config.vocab_size) * 2)
     fp = planner.Footprint(config, cache_mode, dtype, 0, 0, dequant, 0, 0, 0)
-    chunk = min(tokens, planner.PREFILL_CHUNK)
-    logits = chunk * config.vocab_size * (item + 4)
+    logits = fp.logits(tokens)
     return SplitCosts(tokens, cache_mode, tuple(layers), (cache_per_layer,) * config.n_layers,
                       config.vocab_size * d * item, head, fp.scratch(tokens) - logits, logits, planner.RESERVE_BYTES)
 

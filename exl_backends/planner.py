@@ -10,11 +10,15 @@ scratch  the live tensors of the largest prefill chunk, chunk = min(context, PRE
          activations  chunk x (2D residual and normed x, (H + 2Hkv)Dh q/k/v, H Dh attention output,
                       3I gate/up/product) in the compute dtype (attention kernels are flash-style: no score
                       matrix is kept);
-         logits       chunk x vocab x (compute dtype + 4 bytes): the head's output and its f32 copy;
+         logits       min(chunk, LOGIT_ROWS) x vocab x (compute dtype + 4 bytes): the head's output and its
+                      f32 copy for the rows one engine step samples from (a row per job, 1 + k per job
+                      drafting k tokens);
          dequant      the largest quantized linear as a dense fp16 matrix, columns padded to 32 (large
                       batches dequantize it, then call cuBLAS).
 reserve  RESERVE_BYTES for the cuBLAS workspace, compiled kernels and allocator fragmentation (the CUDA
-         context itself is already outside torch.cuda.mem_get_info's free memory)."""
+         context itself is already outside torch.cuda.mem_get_info's free memory).
+Outside the plan: a transformers-style full forward, `model(input_ids)`, which makes its own cache for its input
+and logits for every position ([batch, seq, vocab] f32)."""
 from __future__ import annotations
 
 import logging
@@ -29,6 +33,7 @@ from .errors import ConfigError, OutOfMemoryPlanError
 
 PAGE_SIZE = 256
 PREFILL_CHUNK = 2048
+LOGIT_ROWS = 256                # an engine step's logits rows: e.g. 32 jobs each verifying 1 + 7 drafted tokens
 PREPARE_BYTES_PER_ROW = 8
 RESERVE_BYTES = 256 * 2**20
 GIB = 2**30
@@ -69,10 +74,12 @@ class Footprint:
 
     def scratch(self, tokens: int) -> int:
         c = self.config
-        chunk = min(tokens, PREFILL_CHUNK)
         width = 2 * c.hidden_size + (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.intermediate_size
-        item = self.dtype.itemsize
-        return chunk * (width * item + c.vocab_size * (item + 4)) + self.dequant_bytes
+        return min(tokens, PREFILL_CHUNK) * width * self.dtype.itemsize + self.logits(tokens) + self.dequant_bytes
+
+    def logits(self, tokens: int) -> int:
+        """The logits part of scratch."""
+        return min(tokens, PREFILL_CHUNK, LOGIT_ROWS) * self.config.vocab_size * (self.dtype.itemsize + 4)
 
     def plan(self, tokens: int) -> MemoryPlan:
         pages = -(-tokens // PAGE_SIZE)

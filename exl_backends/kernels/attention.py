@@ -166,10 +166,9 @@ def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: fl
         hi = first + e - k0
         qc, kc, vc = qh[:, :, a:e], kh[:, :, lo:hi], vh[:, :, lo:hi]
         if window is None and softcap is None:
-            # the bias even without a cached prefix (where it equals is_causal): it dispatches to flash attention
-            # directly, while is_causal=True with GQA costs ~1.4 ms of host time per call on the H200 (torch 2.11)
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=causal_lower_right(e - a, hi - lo),
-                                               scale=scale, enable_gqa=True)
+            mask = None if hi - lo == e - a else causal_lower_right(e - a, hi - lo)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)
         else:
             visible = _visible(first + a, e - a, k0 + lo, hi - lo, window, q.device)
             o = _softcapped(qc, kc, vc, visible, scale, softcap) if softcap is not None else \
