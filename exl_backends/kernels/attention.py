@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from ..batch import upload
@@ -166,15 +167,27 @@ def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: fl
         hi = first + e - k0
         qc, kc, vc = qh[:, :, a:e], kh[:, :, lo:hi], vh[:, :, lo:hi]
         if window is None and softcap is None:
-            mask = None if hi - lo == e - a else causal_lower_right(e - a, hi - lo)
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                               enable_gqa=True)
+            o = _causal(qc, kc, vc, scale)
         else:
             visible = _visible(first + a, e - a, k0 + lo, hi - lo, window, q.device)
             o = _softcapped(qc, kc, vc, visible, scale, softcap) if softcap is not None else \
                 F.scaled_dot_product_attention(qc, kc, vc, attn_mask=visible, scale=scale, enable_gqa=True)
         out[a:e] = o[0].transpose(0, 1)
     return out
+
+
+def _causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention aligned bottom-right (the queries are the last q.shape[2] of the keys' positions):
+    q [1, H, n_q, Dh], k, v [1, Hkv, n_k, Dh]. Flash attention is called directly when it takes the inputs, as
+    torch's lower-right CausalBias does: on the H200 (torch 2.11) that route cost ~0.1 ms of host time per call,
+    F.scaled_dot_product_attention(is_causal=True) ~1.5 ms (measured in the generator's prefill of uncached
+    prompts, 32 layers x each sequence of a step; why, not known)."""
+    params = SDPAParams(q, k, v, None, 0.0, True, True)
+    if q.shape[-1] % 8 == 0 and can_use_flash_attention(params):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
+    mask = None if q.shape[2] == k.shape[2] else causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)
 
 
 def _visible(q0: int, n_q: int, t0: int, n_k: int, window: int | None, device: torch.device) -> Tensor:
