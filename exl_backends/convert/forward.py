@@ -9,6 +9,8 @@ Only one layer's weights are on the device at a time; the hidden states of all r
 they fit (states_device), else on the CPU, and a sub-layer runs over them chunk by chunk."""
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -127,8 +129,26 @@ class CalibLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.hessian is not None:
-            self.hessian.add(x)
-        return reference.linear(x, self.weight, self.bias)
+            self.hessian.add(x)             # in full f32, whatever the matmul below runs in
+        if not x.is_cuda:
+            return reference.linear(x, self.weight, self.bias)
+        with _tf32():
+            return reference.linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def _tf32():
+    """TF32 tensor cores for the f32 matmuls inside (CUDA only; torch's flag is process-wide, so it is set for
+    the call and restored). The sub-layer forwards of measurement and quantization are most of a conversion's
+    GPU time. Emulated on the CPU (inputs and weights rounded to TF32's 10-bit mantissa), SmolLM2-135M at 4.0
+    bpw moved each measured error by 0.12 % (median; max 4.4 %), kept the same bpw, and its held-out KL came out
+    0.1158 against 0.1200 in f32: noise, not a loss."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 class _Loader(model.Loader):
