@@ -10,7 +10,7 @@ scratch  the live tensors of the largest prefill chunk, chunk = min(context, PRE
          activations  chunk x (2D residual and normed x, (H + 2Hkv)Dh q/k/v, H Dh attention output,
                       3I gate/up/product) in the compute dtype (attention kernels are flash-style: no score
                       matrix is kept);
-         logits       min(chunk, LOGIT_ROWS) x vocab x (compute dtype + 4 bytes): the head's output and its
+         logits       min(tokens, LOGIT_ROWS) x vocab x (compute dtype + 4 bytes): the head's output and its
                       f32 copy for the rows one engine step samples from (a row per job, 1 + k per job
                       drafting k tokens);
          dequant      the largest quantized linear as a dense fp16 matrix, columns padded to 32 (large
@@ -33,7 +33,7 @@ from .errors import ConfigError, OutOfMemoryPlanError
 
 PAGE_SIZE = 256
 PREFILL_CHUNK = 2048
-LOGIT_ROWS = 256                # an engine step's logits rows: e.g. 32 jobs each verifying 1 + 7 drafted tokens
+LOGIT_ROWS = 256                # an engine step's logits rows (32 jobs verifying 1 + 7 drafted tokens each)
 PREPARE_BYTES_PER_ROW = 8
 RESERVE_BYTES = 256 * 2**20
 GIB = 2**30
@@ -79,7 +79,7 @@ class Footprint:
 
     def logits(self, tokens: int) -> int:
         """The logits part of scratch."""
-        return min(tokens, PREFILL_CHUNK, LOGIT_ROWS) * self.config.vocab_size * (self.dtype.itemsize + 4)
+        return min(tokens, LOGIT_ROWS) * self.config.vocab_size * (self.dtype.itemsize + 4)
 
     def plan(self, tokens: int) -> MemoryPlan:
         pages = -(-tokens // PAGE_SIZE)
