@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -99,7 +100,9 @@ def main() -> None:
     ap.add_argument("--engines", default="single,split,tp2")
     args = ap.parse_args()
     directory = Path(args.dir or f"/tmp/exl-bench-{args.shape}")
+    t0 = time.perf_counter()
     write_model(directory, args.shape)
+    print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
     bw = copy_bandwidth(torch.device("cuda", 0))
     nbytes = weight_bytes(directory)
     seq = args.context + args.prefill + 128
@@ -108,15 +111,26 @@ def main() -> None:
     rows, logits = [], {}
     probe = torch.randint(0, SHAPES[args.shape]["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(0))
     for engine in args.engines.split(","):
+        clock = [time.perf_counter()]                    # each phase's wall time: where a slow run spent it
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return round(clock[-1] - clock[-2], 1)
         lm = ExlForCausalLM.from_pretrained(directory, max_seq_len=seq, **load[engine])
+        seconds = dict(load=lap())
         if lm.placement is not None:
             print(lm.placement.describe())
         logits[engine] = lm(probe).logits.cpu()          # every engine against the first on the same tokens
+        seconds["logits"] = lap()
         first = logits[next(iter(logits))]
-        rows.append(dict(engine=engine, decode_tok_s=decode_tok_s(lm, args.context), decode_bound=bounds[engine],
-                         prefill_tok_s=prefill_speed(lm.model, args.prefill, lm.page_size),
-                         logits_rel_l2=float((logits[engine] - first).norm() / first.norm()),
-                         argmax_agree=float((logits[engine].argmax(-1) == first.argmax(-1)).float().mean())))
+        row = dict(engine=engine, decode_tok_s=decode_tok_s(lm, args.context), decode_bound=bounds[engine])
+        seconds["decode"] = lap()
+        row["prefill_tok_s"] = prefill_speed(lm.model, args.prefill, lm.page_size)
+        seconds["prefill"] = lap()
+        rows.append(dict(row, logits_rel_l2=float((logits[engine] - first).norm() / first.norm()),
+                         argmax_agree=float((logits[engine].argmax(-1) == first.argmax(-1)).float().mean()),
+                         seconds=seconds))
+        print(rows[-1], flush=True)
         if engine == "tp2":
             lm.model.close()
         del lm

@@ -393,8 +393,8 @@ def test_gpu_tensor_parallel_graph_replay_equals_eager_and_one_gpu(dirs, cache_m
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40))]
     lengths = [12, 4, 8]
 
-    def decode(model, graphs: bool):
-        gen = Generator(model, max_batch_size=4, cuda_graphs=graphs)
+    def decode(model, graphs: bool):       # a page per job, so the three decode together (default: one page)
+        gen = Generator(model, max_batch_size=4, cache_tokens=3 * model.page_size, cuda_graphs=graphs)
         jobs = [gen.submit(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
         return gen, [job.result().token_ids for job in jobs]
     one = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda:0", max_seq_len=256, cache_mode=cache_mode)
