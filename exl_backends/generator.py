@@ -13,10 +13,12 @@ Context: a prompt must leave room for one new token (len(prompt) < max_seq_len, 
 max_new_tokens is then cut to what fits in max_seq_len, and the job ends with finish_reason "length" there.
 
 Threading: a job is consumed by iterating it (`stream`, `generate` and `Job.result` do). A consumer whose job has
-nothing queued runs steps itself, under the generator's lock, until it has; each step advances every job. So any
-number of threads can consume at once (a server can give each request's iteration to `asyncio.to_thread`) and
-share the steps. `submit` only queues the job (it takes no lock and never waits on a step); `cancel` takes the lock,
-so it waits for a running step to end, then frees the job's pages at once. An error in the forward pass fails every
+nothing queued runs the next step itself, or, while another consumer runs one, waits for that step to end (each
+step advances every job). So any number of threads can consume at once (a server can give each request's
+iteration to `asyncio.to_thread`) and share the steps, and every consumer sees its chunks as soon as the step that
+made them ends: waiting on one plain lock instead, the thread that just stepped took it again before the others
+woke, and 16 concurrent consumers saw their first token only near the end of their jobs. `submit` only queues the
+job (it never waits on a step); `cancel` waits for a running step to end, then frees the job's pages at once. An error in the forward pass fails every
 job; an error in one job's sampling or constraint fails only that job. Both reach the job's consumer."""
 from __future__ import annotations
 
@@ -76,7 +78,12 @@ class Generator:
         self.eos_ids = frozenset(eos)
         self._grammar_tokenizer = None
         self.capacity_pages = self.cache.pool.n_free     # what jobs may use: all that is free once set up
-        self._lock = threading.Lock()
+        # Whose turn it is. A step runs outside `_turn` while `_stepping` is set; a cancel runs inside it between
+        # steps, and no new step starts while one waits (else a busy consumer could keep it waiting for good).
+        self._turn = threading.Condition()
+        self._stepping = False
+        self._steps = 0                         # steps ended so far: a waiting consumer wakes when it changes
+        self._cancels = 0                       # cancels waiting for their turn
         self._inbox: deque[Job] = deque()
 
     # ---- the public API -------------------------------------------------------------------------------------------
@@ -132,7 +139,13 @@ class Generator:
 
     def cancel(self, job: Job) -> None:
         """Ends a job now and frees its pages; its consumer gets a last chunk with finish_reason "cancelled"."""
-        with self._lock:
+        with self._turn:
+            self._cancels += 1
+            try:
+                self._turn.wait_for(lambda: not self._stepping)
+            finally:
+                self._cancels -= 1
+                self._turn.notify_all()         # consumers held back for this cancel
             if job.is_done:
                 return
             if job in self._inbox:
@@ -194,17 +207,27 @@ class Generator:
         return self.runner.forward(batch)
 
     def _advance(self, job: Job) -> None:
-        """Runs one step for a consumer whose job has nothing queued."""
-        with self._lock:
+        """For a consumer whose job has nothing queued: runs the next step, or waits for the running one to end."""
+        with self._turn:
             if job._chunks or job.is_done:
                 return
-            try:
-                progressed = self._step()
-            except Exception as e:
-                self._fail_all(e)
-                raise
-            if not progressed:
-                raise RuntimeError("the generator has nothing to run, yet a job is unfinished")
+            if self._stepping or self._cancels:
+                steps = self._steps             # the running step (or the cancels) may settle this job
+                self._turn.wait_for(lambda: self._steps != steps or not (self._stepping or self._cancels))
+                return
+            self._stepping = True
+        try:                # no other thread touches the engine meanwhile: they wait for their turn
+            progressed = self._step()
+        except Exception as e:
+            self._fail_all(e)
+            raise
+        finally:
+            with self._turn:
+                self._stepping = False
+                self._steps += 1
+                self._turn.notify_all()
+        if not progressed:
+            raise RuntimeError("the generator has nothing to run, yet a job is unfinished")
 
     def _step(self) -> bool:
         while self._inbox:

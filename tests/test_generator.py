@@ -269,6 +269,56 @@ def test_threads_share_the_steps(tiny):
     assert [out[i] for i in range(4)] == [alone(model, p) for p in prompts]
 
 
+def test_every_consumer_sees_its_chunks_as_its_steps_end(tiny):
+    """Eight threads consume eight jobs submitted together: each sees its first token within a few steps of the one
+    that made it (the first), not when the thread that keeps stepping lets go. Each step waits 2 ms with the GIL
+    released, as a GPU step does."""
+    import time
+    model, _ = tiny
+    prompts = random_prompts(8, seed=17)
+    gen = make(model, max_batch_size=8)
+    steps = []
+    forward = gen._forward
+
+    def slow(batch):
+        time.sleep(0.002)
+        steps.append(batch.n_seqs)
+        return forward(batch)
+    gen._forward = slow
+    jobs = [gen.submit(p, max_new_tokens=40, min_new_tokens=40) for p in prompts]
+    first_seen = {}
+
+    def consume(i):
+        for chunk in jobs[i]:
+            if chunk.token_ids:
+                first_seen.setdefault(i, len(steps))
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert steps[0] == 8 and len(steps) == 40           # one step prefills all eight; then 39 decode steps
+    assert max(first_seen.values()) <= 4, first_seen    # a plain lock let this reach ~40
+
+
+def test_cancel_gets_its_turn_while_threads_keep_stepping(tiny):
+    model, _ = tiny
+    gen = make(model, max_batch_size=4)
+    busy = [gen.submit(p, max_new_tokens=200, min_new_tokens=200) for p in random_prompts(3, seed=18)]
+    target = gen.submit(random_prompts(1, seed=19)[0], max_new_tokens=200, min_new_tokens=200)
+    reasons = []
+    threads = [threading.Thread(target=lambda job=job: reasons.append(job.result().finish_reason)) for job in busy]
+    for t in threads:
+        t.start()
+    next(iter(target))                                   # it is running
+    gen.cancel(target)
+    assert target.result().finish_reason == "cancelled"
+    assert not all(job.is_done for job in busy)          # cancelled while the others still ran
+    for t in threads:
+        t.join()
+    assert reasons == ["length"] * 3
+
+
 def test_text_prompt_and_bos(tiny):
     model, _ = tiny
     tok = model.tokenizer
