@@ -15,6 +15,7 @@ GPUs)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -98,7 +99,10 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--engines", default="single,split,tp2")
+    ap.add_argument("--watchdog", type=float, default=180,
+                    help="print every thread's stack each this many seconds (where a stalled run waits)")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     directory = Path(args.dir or f"/tmp/exl-bench-{args.shape}")
     t0 = time.perf_counter()
     write_model(directory, args.shape)
