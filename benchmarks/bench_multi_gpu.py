@@ -9,9 +9,8 @@ two all-reduces per layer and a logits all-gather per token).
 
 It writes the EXL2 directory once (to --dir, default /tmp/exl-bench-<shape>) so that every engine loads the same
 file (random packed words drawn on the GPU: about a minute even for the 70B shape), and runs tensor parallel through
-ExlForCausalLM.from_pretrained(tensor_parallel=2). Decode goes through the generator's Runner: one GPU and tensor
-parallel replay CUDA graphs (every rank replays its own), a layer split runs eagerly (one graph cannot span two
-GPUs)."""
+ExlForCausalLM.from_pretrained(tensor_parallel=2). Decode goes through the generator's Runner, which replays CUDA
+graphs: tensor parallel's on every rank, a layer split's one per GPU in turn."""
 from __future__ import annotations
 
 import argparse
@@ -84,7 +83,7 @@ def write_model(directory: Path, shape: str) -> None:
 
 def decode_tok_s(lm: ExlForCausalLM, context: int, steps: int = 64) -> float:
     """Batch-1 decode at a context (cache filled with random K/V), a host sync per token as generation does;
-    through the generator's Runner, so one GPU and tensor parallel replay CUDA graphs, a layer split runs eagerly."""
+    through the generator's Runner, which replays CUDA graphs (a layer split's one per GPU)."""
     return decode_speed(lm.model, context, lm.cache_mode, steps, lm.page_size)["tok_s"]
 
 

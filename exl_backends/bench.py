@@ -117,12 +117,12 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
                                                                              model.dtype.itemsize),
                   finite=bool(torch.isfinite(logits).all()))      # a speed of NaN logits is no speed
     if isinstance(runner.graphs, DecodeGraphs) and model.device.type == "cuda":   # tensor parallel replays in lockstep
-        graph = runner.graphs.by_shape[1, 1].graph
-        _sync(model.device)
+        graph = runner.graphs.by_shape[1, 1]
+        _sync_all(model)
         t0 = time.perf_counter()
         for _ in range(steps):
             graph.replay()
-        _sync(model.device)
+        _sync_all(model)
         result["replay_tok_s"] = steps / (time.perf_counter() - t0)
     return result
 

@@ -110,11 +110,6 @@ class Model:
         c = self.config
         return Rope(c.rope, c.head_dim, device), None if c.local_rope is None else Rope(c.local_rope, c.head_dim, device)
 
-    @property
-    def can_capture_graphs(self) -> bool:
-        """One CUDA graph captures one device's work: a layer split runs its decode steps eagerly."""
-        return len(self.stages) == 1
-
     def decode_graphs(self, cache: KVCache, max_pages: int, trash_page: int):
         """This model's captured decode steps over cache, by batch size (runner.Runner replays them)."""
         from .runner import DecodeGraphs        # runner builds on this module
@@ -138,30 +133,37 @@ class Model:
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """Runs the batch's tokens, writing their K/V into cache. Returns f32 logits [R, vocab] for
         batch.logit_rows (every row when None), on the last block's device."""
-        ops, eps = self.ops, self.config.rms_norm_eps
-        x = residual = None
-        for stage in self.stages:
+        out = None
+        for k, stage in enumerate(self.stages):
             with on_device(stage.device):
-                b = batch_on(batch, stage.device)
-                rope, local = self.stage_ropes[stage.device]
-                ropes = {False: rope.cos_sin(b, ops, self.dtype)}
-                if local is not None:
-                    ropes[True] = local.cos_sin(b, ops, self.dtype)
-                if x is None:
-                    residual = ops.embedding(b.input_ids, self.embed)                  # [T, D]
-                    if self.embed_scale is not None:
-                        residual = residual * self.embed_scale
-                    x = ops.rmsnorm(residual, self.blocks[0].input_norm, eps)
-                else:       # a device boundary: the residual stream (and its normed copy) moves on
-                    x, residual = x.to(stage.device), residual.to(stage.device)
-                for i in stage.layers:
-                    x, residual = self._block(i, x, residual, b, cache, ropes)
-        with on_device(self.output_device):
-            if b.logit_rows is not None:
-                x = x[b.logit_rows]
-            logits = self.lm_head(x).float()
-            if self.config.final_softcap is not None:
-                logits = ops.softcap(logits, self.config.final_softcap)
+                out = self.stage_forward(k, batch_on(batch, stage.device), cache, out)
+        return out
+
+    def stage_forward(self, k: int, batch: Batch, cache: KVCache, carry: tuple[Tensor, Tensor] | None):
+        """Stage k's blocks, on its device (the current one; batch there too), from the embedding (k = 0) or from
+        the stage before's (normed x, residual), moved here at a device boundary. Returns (x, residual) for the
+        next stage, or after the last one the f32 logits [R, vocab] for batch.logit_rows (None: every row)."""
+        ops, eps, stage = self.ops, self.config.rms_norm_eps, self.stages[k]
+        rope, local = self.stage_ropes[stage.device]
+        ropes = {False: rope.cos_sin(batch, ops, self.dtype)}
+        if local is not None:
+            ropes[True] = local.cos_sin(batch, ops, self.dtype)
+        if carry is None:
+            residual = ops.embedding(batch.input_ids, self.embed)                      # [T, D]
+            if self.embed_scale is not None:
+                residual = residual * self.embed_scale
+            x = ops.rmsnorm(residual, self.blocks[0].input_norm, eps)
+        else:
+            x, residual = (t.to(stage.device) for t in carry)
+        for i in stage.layers:
+            x, residual = self._block(i, x, residual, batch, cache, ropes)
+        if k + 1 < len(self.stages):
+            return x, residual
+        if batch.logit_rows is not None:
+            x = x[batch.logit_rows]
+        logits = self.lm_head(x).float()
+        if self.config.final_softcap is not None:
+            logits = ops.softcap(logits, self.config.final_softcap)
         return logits
 
     def _block(self, i: int, x: Tensor, residual: Tensor, batch: Batch, cache: KVCache,

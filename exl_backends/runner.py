@@ -5,13 +5,15 @@ per size of a ladder (1, 2, 4, 8, 16, 32, 64, ...) and replayed with the step's 
 static tensors; a batch is padded up to the next size. Padding rows write their K/V into a reserved page that no
 sequence owns. Python and launch overhead thus leave the per-token path. A speculative verify step (every
 sequence adds the same t <= 8 tokens: its newest and t - 1 drafted ones) is captured the same way, per (size, t),
-so that checking drafted tokens costs about one decode step. `eager=True` turns graphs off (debug); a model that
-cannot be captured as one graph (a layer split over several GPUs) runs eagerly.
+so that checking drafted tokens costs about one decode step. `eager=True` turns graphs off (debug). A layer split
+over several GPUs captures one graph per GPU, replayed one after the other.
 
 The graphs come from model.decode_graphs: a Model's own, or under tensor parallelism rank 0's
 (parallel.TensorParallelModel), which announce each replay to the other ranks; every rank captures the same
 step over its shard at the same first use (the NCCL all-reduces captured with it) and replays it in lockstep."""
 from __future__ import annotations
+
+from dataclasses import fields
 
 import torch
 from torch import Tensor
@@ -19,7 +21,7 @@ from torch import Tensor
 from .batch import Batch
 from .cache import KVCache
 from .kernels.attention import ROW_KERNEL_MAX_NEW
-from .model import Model
+from .model import Model, batch_on
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TOKENS = ROW_KERNEL_MAX_NEW     # per sequence in a captured step: attention runs such rows as decode rows
@@ -28,7 +30,9 @@ MAX_ROWS = 128                      # of a captured verify step (its f32 logits:
 
 class DecodeGraph:
     """One captured step of `size` sequences of `tokens` new tokens each (1: decode; more: a speculative verify
-    step), up to `max_pages` pages per sequence, with logits for every row. On the CPU nothing is captured: run()
+    step), up to `max_pages` pages per sequence, with logits for every row. A layer split captures one graph per
+    stage (a graph holds one device's work); between them the residual stream is copied to the next device's
+    static input, and each stage reads its own copy of the step's inputs. On the CPU nothing is captured: run()
     fills the same static inputs and calls the model eagerly on them (a stand-in that lets tests drive the graph
     path, padding and tensor parallelism's protocol included, without a GPU)."""
 
@@ -52,17 +56,22 @@ class DecodeGraph:
             logit_rows=rows,
             page_size=ps,
             row_seq=None if tokens == 1 else (rows // tokens).to(torch.int32))
-        self.graph = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.stage_batches = [self.batch] + [batch_on(self.batch, stage.device) for stage in model.stages[1:]]
+        self.inputs = [f.name for f in fields(Batch) if isinstance(getattr(self.batch, f.name), Tensor)]
+        self.handoffs: list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = []    # (stage k's out, k+1's in)
         if dev.type != "cuda":
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):           # warm-up: compiles kernels, settles allocations
-            model.forward(self.batch, cache)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.forward(self.batch, cache)
+        carry = None
+        for k, stage in enumerate(model.stages):
+            with torch.cuda.device(stage.device):
+                if carry is not None:
+                    inputs = tuple(torch.zeros_like(t, device=stage.device) for t in carry)
+                    self.handoffs.append((carry, inputs))
+                    carry = inputs
+                graph, carry = _capture(model, k, self.stage_batches[k], cache, carry, pool)
+                self.graphs.append(graph)
+        self.logits = carry
 
     def run(self, batch: Batch) -> Tensor:
         n, s = batch.n_seqs, self.batch
@@ -78,16 +87,42 @@ class DecodeGraph:
         s.positions[rows:].copy_(self.pad_positions[rows:])
         s.slots[rows:].copy_(self.pad_slots[rows:])
         s.seq_lens[n:].fill_(self.tokens)
-        if self.graph is None:
-            self.logits = self.model.forward(s, self.cache)
-        else:
-            self.graph.replay()
+        for other in self.stage_batches[1:]:
+            if other is not s:                  # (stages on one device share the inputs)
+                for name in self.inputs:
+                    getattr(other, name).copy_(getattr(s, name))
+        self.replay()
         return self.logits[:rows]
 
+    def replay(self) -> None:
+        """The captured step on the static inputs (on the CPU: the model, eagerly)."""
+        if not self.graphs:
+            self.logits = self.model.forward(self.batch, self.cache)
+            return
+        for k, graph in enumerate(self.graphs):
+            with torch.cuda.device(self.model.stages[k].device):
+                if k:
+                    for out, into in zip(*self.handoffs[k - 1]):
+                        into.copy_(out)         # across devices: ordered after both devices' current streams
+                graph.replay()
+
     def reset(self) -> None:
-        """Frees the captured graph (before its NCCL communicator is destroyed)."""
-        if self.graph is not None:
-            self.graph.reset()
+        """Frees the captured graphs (before their NCCL communicator is destroyed)."""
+        for graph in self.graphs:
+            graph.reset()
+
+
+def _capture(model: Model, k: int, batch: Batch, cache: KVCache, carry, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Stage k's forward captured on its device (the current one): (the graph, its static output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):           # warm-up: compiles kernels, settles allocations
+        model.stage_forward(k, batch, cache, carry)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = model.stage_forward(k, batch, cache, carry)
+    return graph, out
 
 
 class DecodeGraphs:
@@ -115,8 +150,7 @@ class Runner:
         DecodeGraph is its eager stand-in (tests). trash_page: the page padding sequences write to (None: one taken
         from cache's pool; a draft model's cache, whose page numbers are the target's, passes the target's)."""
         self.model, self.cache, self.max_pages = model, cache, max_pages
-        wanted = model.device.type == "cuda" if eager is None else not eager
-        self.use_graphs = wanted and model.can_capture_graphs
+        self.use_graphs = model.device.type == "cuda" if eager is None else not eager
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
         self.trash_page = self.graphs = None
         if self.use_graphs:

@@ -182,7 +182,9 @@ def test_gpu_split_logits_equal_one_gpu(dirs, name):
     a = one(ids).logits
     b = two(ids).logits.to(a.device)
     assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)       # the same kernels, in the same order, per layer
-    gen_one, gen_two = Generator(one), Generator(two)
-    assert gen_two.runner.use_graphs is False               # a split decodes eagerly
-    assert gen_one.generate([1, 2, 3], max_new_tokens=8).token_ids == \
-        gen_two.generate([1, 2, 3], max_new_tokens=8).token_ids
+    gen_one, gen_two, eager_two = Generator(one), Generator(two), Generator(two, cuda_graphs=False)
+    want = gen_one.generate([1, 2, 3], max_new_tokens=8).token_ids
+    assert gen_two.generate([1, 2, 3], max_new_tokens=8).token_ids == want
+    assert eager_two.generate([1, 2, 3], max_new_tokens=8).token_ids == want
+    graph = gen_two.runner.graphs.by_shape[1, 1]            # a split replays one graph per GPU
+    assert [b.input_ids.device.index for b in graph.stage_batches] == [0, 1] and len(graph.graphs) == 2

@@ -99,7 +99,6 @@ class TensorParallelModel:
         self.local, self.channel, self.memory = local, channel, memory
         self.config, self.device, self.dtype = local.config, local.device, local.dtype
         self.block_devices, self.output_device = local.block_devices, local.output_device
-        self.can_capture_graphs = True          # every rank captures the same steps over its shard, in lockstep
         self._ids: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
         self._next_id = 0
         self._freed: list[int] = []             # ids of rank 0's caches collected since the last announcement
