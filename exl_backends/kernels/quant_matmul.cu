@@ -76,8 +76,10 @@ constexpr int TILE_STRIDE = 40;          // halves per row of a dequant tile: 32
 #define QMM_PREFETCH_BYTES 4096            // 2 KB and 8 KB measured slower (NOTES-matmul.md)
 #endif
 constexpr unsigned PREFETCH_BYTES = QMM_PREFETCH_BYTES;   // L2 prefetch distance of a warp's weight stream
-constexpr int STAGE_LOADS = 8;           // gathers of x per thread in flight
-constexpr int REDUCE_LOADS = 16;         // split partials per lane in flight in the final reduction
+constexpr int STAGE_LOADS = 8;           // gathers of x per thread per x row in flight
+constexpr int STAGE_ROWS = 4;            // x rows staged together (M8/M16): STAGE_ROWS * STAGE_LOADS gathers in flight
+constexpr int REDUCE_LOADS = 16;         // split partials per lane in flight in the final reduction (M1)
+constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), REDUCE_LOADS / 2 splits of each
 
 // ------------------------------------------------------------------------------------------- pair layout
 
@@ -562,7 +564,9 @@ __device__ __forceinline__ int width_at(const Part& pt, int c)
 __device__ __forceinline__ float row_scale(int b, int r) { return b == 4 && (r >> 1 & 1) ? 0.0625f : 1.f; }
 
 // x rows [r0, r0 + rows) of stored order into shared memory: xs[m][r] = x[m][perm[r0 + r]]. Each thread has
-// STAGE_LOADS independent gathers in flight (they hit L2: x and perm are shared by every block).
+// ROWS * STAGE_LOADS independent gathers in flight (they hit L2: x and perm are shared by every block): a row at
+// a time, 16 rows took 16 L2 round trips before the first MMA.
+template <int ROWS>
 __device__ __forceinline__ void stage_x(half* xs, const half* x, const Part& pt, int M, int K, int c0, int c1,
                                         int xs_stride)
 {
@@ -577,16 +581,51 @@ __device__ __forceinline__ void stage_x(half* xs, const half* x, const Part& pt,
             src[u] = perm ? __ldg(perm + r0 + r) : r0 + r;
             scale[u] = row_scale(width_at(pt, c0 + r / 32), r % 32);
         }
-        for (int m = 0; m < M; ++m) {
-            half v[STAGE_LOADS];
+        for (int m0 = 0; m0 < M; m0 += ROWS) {
+            half v[ROWS][STAGE_LOADS];
 #pragma unroll
-            for (int u = 0; u < STAGE_LOADS; ++u) v[u] = __ldg(x + (size_t)m * K + src[u]);
+            for (int i = 0; i < ROWS; ++i)                     // rows past M: a harmless repeat of row M - 1
 #pragma unroll
-            for (int u = 0; u < STAGE_LOADS; ++u) {
-                const int r = base + u * THREADS;
-                if (r < rows) xs[m * xs_stride + r] = __float2half_rn(__half2float(v[u]) * scale[u]);
-            }
+                for (int u = 0; u < STAGE_LOADS; ++u) v[i][u] = __ldg(x + (size_t)min(m0 + i, M - 1) * K + src[u]);
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < STAGE_LOADS; ++u) {
+                    const int r = base + u * THREADS;
+                    if (m0 + i < M && r < rows)
+                        xs[(m0 + i) * xs_stride + r] = __float2half_rn(__half2float(v[i][u]) * scale[u]);
+                }
         }
+    }
+}
+
+__device__ __forceinline__ float bias_at(const half* bias, int col) { return bias ? __half2float(bias[col]) : 0.f; }
+
+// y (+ bias) for column col of a strip whose n_splits partials are in: each x row's partials added in split order
+// (deterministic). ROWS x rows at a time with SPLITS partials each in flight per lane (one row at a time, 16 rows
+// took 16 L2 round trips).
+template <int ROWS, int SPLITS>
+__device__ __forceinline__ void reduce_splits(const float* parts, half* y, const half* bias, int M, int N, int Np,
+                                              int ws_rows, int n_splits, int col)
+{
+    for (int m0 = 0; m0 < M; m0 += ROWS) {
+        float sum[ROWS] = {};
+        for (int s0 = 0; s0 < n_splits; s0 += SPLITS) {
+            float v[ROWS][SPLITS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < SPLITS; ++u)
+                    v[i][u] = m0 + i < M && s0 + u < n_splits
+                                  ? __ldcg(parts + ((size_t)(s0 + u) * ws_rows + m0 + i) * Np + col) : 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < SPLITS; ++u) sum[i] += v[i][u];
+        }
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+            if (m0 + i < M && col < N) y[(size_t)(m0 + i) * N + col] = __float2half_rn(sum[i] + bias_at(bias, col));
     }
 }
 
@@ -617,8 +656,6 @@ __device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, 
     }
 }
 
-__device__ __forceinline__ float bias_at(const half* bias, int col) { return bias ? __half2float(bias[col]) : 0.f; }
-
 // Block `local` of part pt (of p): y [M, pt.n] = x [M, K] @ W^T (+ bias). Split partials go to
 // ws[(split * ws_rows + m) * Np + col] (ws: this part's, row 0), arrivals to counters[strip] (this part's).
 template <class Fmt, int N8, bool M1>
@@ -639,7 +676,7 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     }
     stage_meta(meta_s, pt.chunk_meta, c0, c1);        // the weights' own metadata: no earlier kernel writes it
     pdl_wait();                                        // x, ws and the counters belong to earlier kernels
-    stage_x(xs, x, pt, M, p.K, c0, c1, p.xs_stride);
+    stage_x<M1 ? 1 : STAGE_ROWS>(xs, x, pt, M, p.K, c0, c1, p.xs_stride);
     __syncthreads();
     float2* corr = reinterpret_cast<float2*>(smem + p.corr_smem);
     stage_corrections(corr, xs, pt, M, c0, c1, p.xs_stride);
@@ -687,20 +724,10 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     done = __shfl_sync(FULL_MASK, done, 0);
     if (done != pt.n_splits - 1) return;
     __threadfence();                             // the last warp of the strip: every other split's partial is in
-    const float* parts = ws;
-    const int col = strip * 32 + lane, n_splits = pt.n_splits;
-    for (int m = 0; m < M; ++m) {
-        float sum = 0.f;
-        for (int s0 = 0; s0 < n_splits; s0 += REDUCE_LOADS) {    // loads in flight together, added in split order
-            float v[REDUCE_LOADS];
-#pragma unroll
-            for (int u = 0; u < REDUCE_LOADS; ++u)
-                v[u] = s0 + u < n_splits ? __ldcg(parts + ((size_t)(s0 + u) * ws_rows + m) * Np + col) : 0.f;
-#pragma unroll
-            for (int u = 0; u < REDUCE_LOADS; ++u) sum += v[u];
-        }
-        if (col < N) y[(size_t)m * N + col] = __float2half_rn(sum + bias_at(pt.bias, col));
-    }
+    if constexpr (M1)
+        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
+    else
+        reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
     if (lane == 0) counters[strip] = 0;
 }
 
