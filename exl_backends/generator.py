@@ -18,8 +18,9 @@ step advances every job). So any number of threads can consume at once (a server
 iteration to `asyncio.to_thread`) and share the steps, and every consumer sees its chunks as soon as the step that
 made them ends: waiting on one plain lock instead, the thread that just stepped took it again before the others
 woke, and 16 concurrent consumers saw their first token only near the end of their jobs. `submit` only queues the
-job (it never waits on a step); `cancel` waits for a running step to end, then frees the job's pages at once. An error in the forward pass fails every
-job; an error in one job's sampling or constraint fails only that job. Both reach the job's consumer."""
+job (it never waits on a step); `cancel` waits for a running step to end, then frees the job's pages at once. An
+error in the forward pass fails every job; an error in one job's sampling or constraint fails only that job. Both
+reach the job's consumer."""
 from __future__ import annotations
 
 import threading
