@@ -24,8 +24,11 @@ from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
 def use_define(define: str) -> None:
-    """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define)."""
+    """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
+    QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them)."""
     original = loader.module.__wrapped__
+    blocks = [int(d.split("=")[1]) for d in define.split("+") if d.startswith("QMM_M1_BLOCKS=")]
+    qm.RESIDENT_BLOCKS[1] = blocks[0] if blocks else 2
 
     @functools.cache
     def module(family, cc):
@@ -40,6 +43,7 @@ def use_define(define: str) -> None:
         return mod
     module.__wrapped__ = original
     loader.module = module
+    loader._function.cache_clear()         # kernels are looked up once per process otherwise
 
 
 def check() -> float:
@@ -64,9 +68,11 @@ def main() -> None:
     ap.add_argument("--formats", default="exl2 4.0bpw")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--m", default="1", help="rows of x to time, e.g. 1,16")
+    ap.add_argument("--plan-blocks", default="", help="M1 blocks per SM the planner assumes, e.g. 1,2 (timed each)")
     ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times (for ncu)")
     args = ap.parse_args()
     if args.eager:
+        use_define(args.defines)
         k, n = map(int, args.eager.split("x"))
         gen = torch.Generator(device="cuda").manual_seed(0)
         fs = [qm.prepare(exl2_weight(k, n, "4b_128g", gen), None) for _ in range(4)]
@@ -83,8 +89,12 @@ def main() -> None:
               "exl2 6.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "6b_128g", g),
               "gptq 4bit": lambda k, n: lambda g: gptq_weight(k, n, 4, 128, g)}
     rows = []
-    for define in args.defines.split(","):
+    variants = [(d, b) for d in args.defines.split(",") for b in (args.plan_blocks.split(",") if args.plan_blocks else [""])]
+    for define, blocks in variants:
         use_define(define)
+        if blocks:
+            qm.RESIDENT_BLOCKS[1] = int(blocks)
+            define = f"{define} plan {blocks}/SM"
         err = check()
         for fmt in args.formats.split(","):
             for k, n in shapes:

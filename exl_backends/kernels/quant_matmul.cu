@@ -389,38 +389,71 @@ __device__ __forceinline__ void start_stream(Stream& st, const Part& pt, int str
     st.start(pt.qw + (size_t)strip * pt.words_per_strip + w0, 4u * (pt.split_word[split + 1] - w0), lane);
 }
 
-// U chunks from span offset off (chunk c) on: load all their words and group records first, then consume them in
-// order. meta: the chunks' chunk_meta entries.
-template <int U, int B, class Fmt, class Sink>
-__device__ __forceinline__ void walk_batch(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
-                                           unsigned off, int c, int lane, Sink& sink)
-{
+// U chunks' words, chunk_meta entries and group records, loaded together (fetch), then consumed in order.
+template <int U, int B, class Fmt>
+struct Batch {
     unsigned w[U][B];
     int2 m[U];
     typename Fmt::Raw raw[U];
+
+    // The chunks from span offset off on; meta: their chunk_meta entries.
+    __device__ __forceinline__ void fetch(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
+                                          unsigned off, int lane)
+    {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        st.template load<B>(off + u * 128 * B, lane, w[u]);
-        m[u] = meta[u];
+        for (int u = 0; u < U; ++u) {
+            st.template load<B>(off + u * 128 * B, lane, w[u]);
+            m[u] = meta[u];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
     }
+
+    template <class Sink>
+    __device__ __forceinline__ void consume(int c, Sink& sink) const
+    {
 #pragma unroll
-    for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
-#pragma unroll
-    for (int u = 0; u < U; ++u) sink.template chunk<B>(w[u], m[u].x, raw[u], c + u);
-}
+        for (int u = 0; u < U; ++u) sink.template chunk<B>(w[u], m[u].x, raw[u], c + u);
+    }
+};
 
 // One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks, then the run's last ones.
+// Sinks with PIPELINE (the M1 matmul) issue the next batch's loads before consuming the current one, so a warp's
+// demand loads stay in flight while it computes (the registers this takes cost one resident block per SM, and
+// still measured 5-38 % faster at M = 1: NOTES-matmul.md v6).
 template <int B, class Fmt, class Sink>
 __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
                                          unsigned off, int c, int end, int lane, Sink& sink)
 {
     constexpr int U = batch<B>(), BYTES = 128 * B;
-    for (; c + U <= end; c += U, off += U * BYTES, meta += U) {
-        st.ahead(off, off + U * BYTES, lane);
-        walk_batch<U, B, Fmt>(cur, meta, st, off, c, lane, sink);
+    if constexpr (Sink::PIPELINE) {
+        if (c + U <= end) {
+            Batch<U, B, Fmt> now;
+            st.ahead(off, off + U * BYTES, lane);
+            now.fetch(cur, meta, st, off, lane);
+            for (; c + 2 * U <= end; c += U, off += U * BYTES, meta += U) {
+                Batch<U, B, Fmt> next;
+                st.ahead(off + U * BYTES, off + 2 * U * BYTES, lane);
+                next.fetch(cur, meta + U, st, off + U * BYTES, lane);
+                now.consume(c, sink);
+                now = next;
+            }
+            now.consume(c, sink);
+            c += U, off += U * BYTES, meta += U;
+        }
+    } else {
+        for (; c + U <= end; c += U, off += U * BYTES, meta += U) {
+            st.ahead(off, off + U * BYTES, lane);
+            Batch<U, B, Fmt> now;
+            now.fetch(cur, meta, st, off, lane);
+            now.consume(c, sink);
+        }
     }
-    for (; c < end; ++c, off += BYTES, ++meta)                          // already prefetched by the batches
-        walk_batch<1, B, Fmt>(cur, meta, st, off, c, lane, sink);
+    for (; c < end; ++c, off += BYTES, ++meta) {                        // already prefetched by the batches
+        Batch<1, B, Fmt> one;
+        one.fetch(cur, meta, st, off, lane);
+        one.consume(c, sink);
+    }
 }
 
 // The chunks of width B = width_of(I) within [c0, c1).
@@ -466,6 +499,7 @@ __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta,
 // of the strip) and x-row tile n (rows 8n..8n+7). M1: only x row 0, i.e. fragment entries 0 and 2.
 template <class Fmt, int N8, bool M1>
 struct MatmulSink {
+    static constexpr bool PIPELINE = M1;
     // B fragments come from x row min(g, M-1) (+ tile1 for row min(8+g, M-1)), columns 4q.. of the current chunk.
     // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
     const half* xc;
@@ -774,6 +808,7 @@ __device__ __forceinline__ void moe_matmul(const Params* experts, const int* off
 
 template <class Fmt>
 struct DequantSink {
+    static constexpr bool PIPELINE = false;
     half* tile;              // this warp's 32 x TILE_STRIDE halves
     half* w_out;
     const int* perm;
@@ -837,8 +872,9 @@ __device__ __forceinline__ void dequant(const Params& p, half* w_out)
 
 // ------------------------------------------------------------------------------------------- entry points
 
-// Blocks per SM the register budget is fitted to: M1 fits 3 (80 registers) without spilling, M8/M16 need 2. (M1 at
-// 4 blocks, 64 registers, measured no faster: NOTES-matmul.md.)
+// Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): 2, up to 128 registers. M1 ran at
+// 3 (80 registers) until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
+// faster (NOTES-matmul.md). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
 // ys: the parts' outputs [M, part.n] fp16; ws: split partials (fp32, see Part.ws_offset), unused without splits.
 #define QMM_MATMUL(NAME, FMT, N8, M1, BLOCKS_PER_SM)                                                                   \
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, BLOCKS_PER_SM)                                          \
@@ -848,10 +884,13 @@ __device__ __forceinline__ void dequant(const Params& p, half* w_out)
         qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws);                                                                \
     }
 
-QMM_MATMUL(exl2_matmul_m1, qmm::Exl2, 1, true, 3)
+#ifndef QMM_M1_BLOCKS
+#define QMM_M1_BLOCKS 2
+#endif
+QMM_MATMUL(exl2_matmul_m1, qmm::Exl2, 1, true, QMM_M1_BLOCKS)
 QMM_MATMUL(exl2_matmul_m8, qmm::Exl2, 1, false, 2)
 QMM_MATMUL(exl2_matmul_m16, qmm::Exl2, 2, false, 2)
-QMM_MATMUL(gptq_matmul_m1, qmm::Gptq, 1, true, 3)
+QMM_MATMUL(gptq_matmul_m1, qmm::Gptq, 1, true, QMM_M1_BLOCKS)
 QMM_MATMUL(gptq_matmul_m8, qmm::Gptq, 1, false, 2)
 QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 2)
 
@@ -866,9 +905,9 @@ QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 2)
         qmm::moe_matmul<FMT, N8, M1>(experts, offsets, counts, S, x, y0, y1, ws, ws_part, counters, strips_max);     \
     }
 
-QMM_MOE(exl2_moe_m1, qmm::Exl2, 1, true, 3)
+QMM_MOE(exl2_moe_m1, qmm::Exl2, 1, true, QMM_M1_BLOCKS)
 QMM_MOE(exl2_moe_m16, qmm::Exl2, 2, false, 2)
-QMM_MOE(gptq_moe_m1, qmm::Gptq, 1, true, 3)
+QMM_MOE(gptq_moe_m1, qmm::Gptq, 1, true, QMM_M1_BLOCKS)
 QMM_MOE(gptq_moe_m16, qmm::Gptq, 2, false, 2)
 
 // w_out: W^T [K, Np] fp16 in original row order. 3 blocks per SM (quant_matmul.DEQUANT_RESIDENT).

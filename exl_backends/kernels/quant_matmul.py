@@ -42,7 +42,7 @@ ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-ro
 # (gathering x, MMA issue) pull that down: on the H200 (bench_matmul.py, 4096 x 14336 at 4.0 bpw) a 16-row pass
 # takes 41 us and dequant + cuBLAS 82 us for any M up to 64, so they tie at 2 passes.
 LARGE_M = 32
-RESIDENT_BLOCKS = {1: 3, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
+RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
 MAX_SPLIT_ROWS = 64             # splits * rows of x: bounds the partial sums the last warp of a strip adds up
