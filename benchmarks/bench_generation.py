@@ -69,13 +69,15 @@ def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile
         in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens)      # warm-up: graphs
         r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens)
         rows.append(dict(jobs=n, tok_s=r["tok_s"], per_job_tok_s=r["per_request_tok_s"], ttft_ms=r["ttft_ms"]))
-    if profile:     # one job, consumed (so its steps run) in this thread, where cProfile sees them
-        prompt = random_prompts(1, prompt_len, vocab, seed=4000)[0]
+    if profile:     # the last level's jobs, consumed (so their steps run) in this thread, where cProfile sees them
+        n = levels[-1]
+        prompts = random_prompts(n, prompt_len, vocab, seed=4000)
         with cProfile.Profile() as profiler:
-            sum(len(c.token_ids) for c in gen.submit(prompt, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                                       sampling=GREEDY))
+            jobs = [gen.submit(p, max_new_tokens=max_tokens, min_new_tokens=max_tokens, sampling=GREEDY)
+                    for p in prompts]
+            sum(len(c.token_ids) for job in jobs for c in job)
             sync(lm.model.device)
-        print(f"== host profile: 1 job, {prompt_len}-token prompt, {max_tokens} new tokens ==")
+        print(f"== host profile: {n} jobs, {prompt_len}-token prompts, {max_tokens} new tokens ==")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     for r in rows:
         r["vs_one_job"] = r["tok_s"] / rows[0]["tok_s"]
@@ -221,7 +223,7 @@ def main() -> None:
     ap.add_argument("--ttft-prefix", type=int, default=1900)
     ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
     ap.add_argument("--draft-k", default="2,4,7")     # 1 + k <= runner.MAX_TOKENS: a captured verify step
-    ap.add_argument("--profile", action="store_true", help="cProfile one job after the concurrency runs")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last level's jobs after the concurrency runs")
     ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
     ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model")
     args = ap.parse_args()

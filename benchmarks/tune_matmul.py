@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
     ap.add_argument("--m", default="1", help="rows of x to time, e.g. 1,16")
     ap.add_argument("--plan-blocks", default="", help="M1 blocks per SM the planner assumes, e.g. 1,2 (timed each)")
+    ap.add_argument("--set", default="", help="planner constants of quant_matmul.py to time, e.g. "
+                    "MAX_SPLIT_ROWS=64,MAX_SPLIT_ROWS=256 ('+' between several in one variant)")
     ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times (for ncu)")
     args = ap.parse_args()
     if args.eager:
@@ -89,12 +91,20 @@ def main() -> None:
               "exl2 6.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "6b_128g", g),
               "gptq 4bit": lambda k, n: lambda g: gptq_weight(k, n, 4, 128, g)}
     rows = []
-    variants = [(d, b) for d in args.defines.split(",") for b in (args.plan_blocks.split(",") if args.plan_blocks else [""])]
-    for define, blocks in variants:
+    defaults = {name: getattr(qm, name) for a in args.set.split(",") if a for name in
+                [kv.split("=")[0] for kv in a.split("+")]}
+    variants = [(d, b, a) for d in args.defines.split(",") for b in args.plan_blocks.split(",")
+                for a in args.set.split(",")]
+    for define, blocks, assignments in variants:
         use_define(define)
         if blocks:
             qm.RESIDENT_BLOCKS[1] = int(blocks)
             define = f"{define} plan {blocks}/SM"
+        for name, value in defaults.items():
+            setattr(qm, name, value)
+        for kv in filter(None, assignments.split("+")):
+            setattr(qm, kv.split("=")[0], int(kv.split("=")[1]))
+        define = f"{define} {assignments}".strip()
         err = check()
         for fmt in args.formats.split(","):
             for k, n in shapes:

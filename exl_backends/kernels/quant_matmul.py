@@ -45,7 +45,9 @@ LARGE_M = 32
 RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
-MAX_SPLIT_ROWS = 64             # splits * rows of x: bounds the partial sums the last warp of a strip adds up
+# splits * rows of x: bounds the partial sums the last warp of a strip adds up (64 measured 5-25 % slower at 16 rows
+# on the 8B shapes' small matrices: too few blocks)
+MAX_SPLIT_ROWS = 128
 X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more would need an opt-in per kernel
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
 # The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): DRAM streams
