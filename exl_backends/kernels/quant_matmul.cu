@@ -49,8 +49,9 @@
 //   partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the
 //   accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the
 //   larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
-//   Dependent launch (common.cuh): the weight and record prefetches and the chunk_meta staging come before
-//   pdl_wait, so on sm_90+ they overlap the kernel before this one; x is read after it.
+//   Dependent launch (common.cuh): the weight and record prefetches, the chunk_meta staging and the perm reads of
+//   the x gather's first round come before pdl_wait, so on sm_90+ they overlap the kernel before this one; x is
+//   read after it.
 //   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
 //   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
@@ -597,37 +598,49 @@ __device__ __forceinline__ int width_at(const Part& pt, int c)
 // 2^-i of row r of a chunk of width b (FOLDED widths; 1 otherwise).
 __device__ __forceinline__ float row_scale(int b, int r) { return b == 4 && (r >> 1 & 1) ? 0.0625f : 1.f; }
 
-// x rows [r0, r0 + rows) of stored order into shared memory: xs[m][r] = x[m][perm[r0 + r]]. Each thread has
-// ROWS * STAGE_LOADS independent gathers in flight (they hit L2: x and perm are shared by every block): a row at
-// a time, 16 rows took 16 L2 round trips before the first MMA.
-template <int ROWS>
-__device__ __forceinline__ void stage_x(half* xs, const half* x, const Part& pt, int M, int K, int c0, int c1,
-                                        int xs_stride)
-{
-    const int* perm = pt.perm;
-    const int r0 = 32 * c0, rows = 32 * (c1 - c0);
-    for (int base = threadIdx.x; base < rows; base += THREADS * STAGE_LOADS) {
-        int src[STAGE_LOADS];
-        float scale[STAGE_LOADS];                              // x'_r = x_r * 2^-i (exact but for subnormals)
+// One round of the x gather: for rows base + u * THREADS of a split (u < STAGE_LOADS), the row of x each comes
+// from (perm) and its FOLDED scale 2^-i. These depend on the weights only, so the first round is prepared before
+// pdl_wait: the perm reads (an L2 round trip) overlap the kernel before this one.
+struct GatherRound {
+    int src[STAGE_LOADS];
+    float scale[STAGE_LOADS];
+
+    __device__ __forceinline__ void prepare(const Part& pt, int c0, int rows, int base)
+    {
+        const int r0 = 32 * c0;
 #pragma unroll
         for (int u = 0; u < STAGE_LOADS; ++u) {
-            const int r = min(base + u * THREADS, rows - 1);   // past the end: a harmless repeat of the last row
-            src[u] = perm ? __ldg(perm + r0 + r) : r0 + r;
+            const int r = max(0, min(base + u * THREADS, rows - 1));   // past the end: a repeat of the last row
+            src[u] = pt.perm ? __ldg(pt.perm + r0 + r) : r0 + r;
             scale[u] = row_scale(width_at(pt, c0 + r / 32), r % 32);
         }
+    }
+};
+
+// x rows [32 c0, 32 c1) of stored order into shared memory: xs[m][r] = x[m][perm[32 c0 + r]] (x' = x * 2^-i for
+// FOLDED rows). first: the first round, prepared. Each thread has ROWS * STAGE_LOADS independent gathers in flight
+// (they hit L2: x is shared by every block): a row at a time, 16 rows took 16 L2 round trips before the first MMA.
+template <int ROWS>
+__device__ __forceinline__ void stage_x(half* xs, const half* x, const Part& pt, int M, int K, int c0, int c1,
+                                        int xs_stride, GatherRound round)
+{
+    const int rows = 32 * (c1 - c0);
+    for (int base = threadIdx.x; base < rows; base += THREADS * STAGE_LOADS) {
+        if (base != (int)threadIdx.x) round.prepare(pt, c0, rows, base);
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             half v[ROWS][STAGE_LOADS];
 #pragma unroll
             for (int i = 0; i < ROWS; ++i)                     // rows past M: a harmless repeat of row M - 1
 #pragma unroll
-                for (int u = 0; u < STAGE_LOADS; ++u) v[i][u] = __ldg(x + (size_t)min(m0 + i, M - 1) * K + src[u]);
+                for (int u = 0; u < STAGE_LOADS; ++u)
+                    v[i][u] = __ldg(x + (size_t)min(m0 + i, M - 1) * K + round.src[u]);
 #pragma unroll
             for (int i = 0; i < ROWS; ++i)
 #pragma unroll
                 for (int u = 0; u < STAGE_LOADS; ++u) {
                     const int r = base + u * THREADS;
                     if (m0 + i < M && r < rows)
-                        xs[(m0 + i) * xs_stride + r] = __float2half_rn(__half2float(v[i][u]) * scale[u]);
+                        xs[(m0 + i) * xs_stride + r] = __float2half_rn(__half2float(v[i][u]) * round.scale[u]);
                 }
         }
     }
@@ -708,9 +721,11 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
     }
-    stage_meta(meta_s, pt.chunk_meta, c0, c1);        // the weights' own metadata: no earlier kernel writes it
+    GatherRound first;                                 // the weights' own metadata: no earlier kernel writes it
+    first.prepare(pt, c0, 32 * (c1 - c0), threadIdx.x);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);
     pdl_wait();                                        // x, ws and the counters belong to earlier kernels
-    stage_x<M1 ? 1 : STAGE_ROWS>(xs, x, pt, M, p.K, c0, c1, p.xs_stride);
+    stage_x<M1 ? 1 : STAGE_ROWS>(xs, x, pt, M, p.K, c0, c1, p.xs_stride, first);
     __syncthreads();
     float2* corr = reinterpret_cast<float2*>(smem + p.corr_smem);
     stage_corrections(corr, xs, pt, M, c0, c1, p.xs_stride);

@@ -344,6 +344,18 @@ def test_exl2_matmul_large_shapes(mix, m, k, n):
 
 
 @on_gpu
+def test_exl2_matmul_gathers_x_in_several_rounds():
+    """A split longer than one round of the x gather (THREADS * STAGE_LOADS = 2048 rows): rounds after the first
+    read their perm indices after the wait, the first before it."""
+    w = synthetic.random_exl2(8224, 17408, "0.05:8b_32g/0.95:4b_128g", seed=5)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    lay = qm.exl2_layout(w)
+    splits = qm.choose_splits([lay], 1, qm.RESIDENT_BLOCKS[1] * n_sm, 1)[0]
+    assert 32 * len(lay.chunk_bits) / splits > 2048, splits
+    check_matmul(w, 1, bias=False)
+
+
+@on_gpu
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("sym,act_order", [(True, False), (False, True)])
