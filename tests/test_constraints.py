@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+pytest.importorskip("llguidance", reason="llguidance (a dependency) is not installed: the GPU machine lacks it")
+
 from exl_backends.constraints import Constraint, GrammarTokenizer
 from exl_backends.errors import SamplingError
 from exl_backends.sampling import SamplerState, SamplingParams, sample
