@@ -63,7 +63,9 @@ def find_first(text: str, begin: int, strings: tuple[str, ...]) -> tuple[int, st
 def partial_start(text: str, begin: int, strings: tuple[str, ...]) -> int:
     """Where the longest suffix of text[begin:] that could still grow into one of strings starts (a proper prefix
     of one of them); len(text) when there is none. Text from there on must be held back."""
-    longest = max((len(s) for s in strings), default=0)
+    if not strings:         # the common case, asked for every token of every job
+        return len(text)
+    longest = max(len(s) for s in strings)
     for i in range(max(begin, len(text) - longest + 1), len(text)):
         rest = text[i:]
         if any(s.startswith(rest) for s in strings):

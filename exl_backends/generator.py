@@ -41,6 +41,7 @@ from .scheduler import Scheduler
 from .speculative import DraftModel, NgramIndex, verify
 
 GREEDY = SamplingParams(temperature=0.0)
+NO_DRAFT = ((), None)       # (drafted tokens, their draft distributions) of a job with nothing drafted
 
 
 class Generator:
@@ -236,21 +237,22 @@ class Generator:
         plan = self.scheduler.schedule()
         if not plan:
             return False
-        drafts = self._propose([(job, width - 1) for job, width in plan if job.is_decoding and width > 1])
+        drafts = self._propose([(job, width - 1) for job, width in plan if width > 1 and job.is_decoding])
         chunks = [self._chunk(job, width, drafts) for job, width in plan]
-        prefills = [(job, c) for (job, _), c in zip(plan, chunks) if not job.is_decoding]
         rows = logit_rows(plan, chunks)
         batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=[r for rs in rows for r in rs])
         logits = self._forward(batch)
-        if self.draft is not None and prefills:
-            self._draft_prefill(prefills)
+        if self.draft is not None:
+            prefills = [(job, c) for (job, _), c in zip(plan, chunks) if not job.is_decoding]
+            if prefills:
+                self._draft_prefill(prefills)
         self._take_tokens(plan, chunks, rows, logits, drafts)
         return True
 
     def _chunk(self, job: Job, width: int, drafts: dict) -> SeqChunk:
         """The job's tokens for this step: its next prompt chunk, or its newest token and the drafted ones."""
         if job.is_decoding:
-            return SeqChunk(job.tokens[-1:] + drafts.get(job, ([], None))[0], job.n_cached, job.pages)
+            return SeqChunk([job.tokens[-1], *drafts.get(job, NO_DRAFT)[0]], job.n_cached, job.pages)
         return SeqChunk(job.tokens[job.n_cached:job.n_cached + width], job.n_cached, job.pages)
 
     def _take_tokens(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range],
@@ -261,27 +263,28 @@ class Generator:
         for (job, _), chunk, rs in zip(plan, chunks, rows):
             job.n_cached += len(chunk.tokens)
             if rs:
-                drafted, qs = drafts.get(job, ([], None))
-                self._decide(job, logits[first:first + len(rs)], top[first:first + len(rs)] if top else None,
-                             drafted, qs)
+                drafted, qs = drafts.get(job, NO_DRAFT)
+                self._decide(job, logits, range(first, first + len(rs)), top, drafted, qs)
                 first += len(rs)
             # K/V past the last committed token belong to rejected drafts or taken-back tokens: not cached
-            job.n_cached = min(job.n_cached, len(job.tokens) - 1)
+            last = len(job.tokens) - 1
+            job.n_cached = min(job.n_cached, last)
             if job.n_draft_cached is not None:
-                job.n_draft_cached = min(job.n_draft_cached, len(job.tokens) - 1)
-            self.scheduler.register(job, min(job.n_computed, job.n_prompt))
+                job.n_draft_cached = min(job.n_draft_cached, last)
+            if job.n_registered < job.n_prompt // self.page_size:    # else no prompt page is left to register
+                self.scheduler.register(job, min(job.n_computed, job.n_prompt))
             if job.is_finished:
                 self.scheduler.drop(job)
             self._emit(job)
 
-    def _decide(self, job: Job, logits: Tensor, top: list[int] | None, drafted: list[int],
+    def _decide(self, job: Job, logits: Tensor, rows: range, top: list[int] | None, drafted: list[int],
                 qs: list[Tensor] | None) -> None:
-        """Commits the job's next tokens from its logits rows [1 + len(drafted), V]: row i gives the token after
-        drafted[:i]; drafted tokens are kept while the chosen token equals them."""
+        """Commits the job's next tokens from its rows of logits [R, V] (1 + len(drafted) of them): its i-th row
+        gives the token after drafted[:i]; drafted tokens are kept while the chosen token equals them."""
         try:
-            for i in range(logits.shape[0]):
+            for i, row in enumerate(rows):
                 draft = drafted[i] if i < len(drafted) else None
-                token, logprob = self._choose(job, logits[i], top[i] if top else None, draft,
+                token, logprob = self._choose(job, logits, row, top, draft,
                                               qs[i] if qs and draft is not None else None)
                 if not job.commit(token, logprob) or token != draft:
                     return
@@ -289,10 +292,13 @@ class Generator:
             job._error = e
             job.finish("error")
 
-    def _choose(self, job: Job, logits: Tensor, top: int | None, draft: int | None,
+    def _choose(self, job: Job, logits: Tensor, row: int, top: list[int] | None, draft: int | None,
                 q: Tensor | None) -> tuple[int, SampleResult | None]:
-        if job.is_plain_greedy and not job.n_logprobs and top not in job.banned_at(len(job.tokens)):
-            return top, None        # a ban removes other tokens only: the batch's argmax is still this job's
+        """The token at logits[row], from the batch's argmax `top` when it serves (indexing the logits tensor only
+        when it does not: a tensor index costs more host time than the rest of a greedy job's step)."""
+        if job.is_plain_greedy and not job.n_logprobs and not job.is_banned(len(job.tokens), top[row]):
+            return top[row], None   # a ban removes other tokens only: the batch's argmax is still this job's
+        logits = logits[row]
         mask = job.mask(len(job.tokens), logits.shape[-1], logits.device)
         if draft is None or job.state.params.is_greedy:
             result = sample(logits, job.state, mask, job.n_logprobs)

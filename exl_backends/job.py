@@ -105,6 +105,10 @@ class Job:
             banned += self.stop_ids
         return banned
 
+    def is_banned(self, position: int, token: int) -> bool:
+        """token in banned_at(position), without building the list (asked for every token of every job)."""
+        return token in self.bans.get(position, ()) or (position < self.min_tokens and token in self.stop_ids)
+
     def mask(self, position: int, vocab: int, device: torch.device) -> Tensor | None:
         """bool [vocab] of the tokens allowed at position (the constraint advanced up to it); None: all of them."""
         banned = self.banned_at(position)

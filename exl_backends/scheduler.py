@@ -31,12 +31,13 @@ class Scheduler:
         plan = [(job, 1 + min(self.n_draft, job.max_tokens - len(job.tokens) - 1))
                 for job in self.running if job.is_decoding]
         budget = self.max_step_tokens - sum(width for _, width in plan)
-        for job in self.running:
-            if budget <= 0:
-                break
-            if not job.is_decoding:
-                plan.append((job, min(len(job.tokens) - job.n_cached, budget)))
-                budget -= plan[-1][1]
+        if len(plan) < len(self.running):       # some running jobs still prefill (else no need to look)
+            for job in self.running:
+                if budget <= 0:
+                    break
+                if not job.is_decoding:
+                    plan.append((job, min(len(job.tokens) - job.n_cached, budget)))
+                    budget -= plan[-1][1]
         while budget > 0 and self.waiting and len(self.running) < self.max_batch_size and self._admit(self.waiting[0]):
             job = self.waiting.popleft()
             plan.append((job, min(len(job.tokens) - job.n_cached, budget)))

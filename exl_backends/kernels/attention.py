@@ -131,18 +131,44 @@ def _counters(device: torch.device, size: int) -> Tensor:
 
 def _mixed(q: Tensor, cache, layer: int, batch, scale: float, window: int | None, softcap: float | None) -> Tensor:
     cu, n_keys = batch.lengths_on_host()        # eager path: kept by Batch.build (else one host read per forward)
-    n_new = [cu[b + 1] - cu[b] for b in range(batch.n_seqs)]
     out = torch.empty_like(q)
-    short = [b for b in range(batch.n_seqs) if n_new[b] <= ROW_KERNEL_MAX_NEW]
-    if short:
-        rows = upload(torch.tensor([r for b in short for r in range(cu[b], cu[b + 1])]), q.device)
-        row_seq = upload(torch.tensor([b for b in short for _ in range(n_new[b])], dtype=torch.int32), q.device)
-        out[rows] = split_k(q[rows], cache, layer, batch, batch.positions[rows], row_seq, scale, window, softcap)
+    short = _short_rows(batch)
+    if short is not None:
+        rows, row_seq, positions = short
+        out[rows] = split_k(q[rows], cache, layer, batch, positions, row_seq, scale, window, softcap)
     for b in range(batch.n_seqs):
-        if n_new[b] > ROW_KERNEL_MAX_NEW:
+        if cu[b + 1] - cu[b] > ROW_KERNEL_MAX_NEW:
             out[cu[b]:cu[b + 1]] = _prefill(q[cu[b]:cu[b + 1]], cache, layer, batch, b, n_keys[b], scale, window,
                                             softcap)
     return out
+
+
+def _short_rows(batch) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(rows, their sequences, their positions) of the sequences with at most ROW_KERNEL_MAX_NEW new tokens, which
+    run as decode rows; None when there are none. Made once per batch (batch.derived)."""
+    if "short" not in batch.derived:
+        cu, _ = batch.lengths_on_host()
+        short = [b for b in range(batch.n_seqs) if cu[b + 1] - cu[b] <= ROW_KERNEL_MAX_NEW]
+        found = None
+        if short:
+            device = batch.positions.device
+            rows = upload(torch.tensor([r for b in short for r in range(cu[b], cu[b + 1])]), device)
+            row_seq = upload(torch.tensor([b for b in short for _ in range(cu[b], cu[b + 1])], dtype=torch.int32),
+                             device)
+            found = rows, row_seq, batch.positions[rows]
+        batch.derived["short"] = found
+    return batch.derived["short"]
+
+
+def _prefill_slots(batch, b: int, k0: int, n_keys: int) -> Tensor:
+    """Cache slots of sequence b's positions k0 .. n_keys - 1, made once per batch (every layer with the same
+    window start reads the same ones)."""
+    key = ("prefill", b, k0)
+    if key not in batch.derived:
+        ps = batch.page_size
+        pos = torch.arange(k0, n_keys, device=batch.block_tables.device)
+        batch.derived[key] = batch.block_tables[b].long()[pos // ps] * ps + pos % ps
+    return batch.derived[key]
 
 
 def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: float, window: int | None,
@@ -154,10 +180,7 @@ def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: fl
     n = q.shape[0]
     first = n_keys - n                                  # position of q[0]
     k0 = 0 if window is None else max(0, first - window + 1)
-    ps = batch.page_size
-    pos = torch.arange(k0, n_keys, device=q.device)
-    slots = batch.block_tables[b].long()[pos // ps] * ps + pos % ps
-    k, v = kv_cache.read(cache, layer, slots)                               # [n_keys - k0, Hkv, Dh]
+    k, v = kv_cache.read(cache, layer, _prefill_slots(batch, b, k0, n_keys))  # [n_keys - k0, Hkv, Dh]
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))         # [1, heads, len, Dh]
     out = torch.empty_like(q)
     chunk = QUERY_CHUNK if softcap is None else max(1, min(QUERY_CHUNK, SOFTCAP_SCORES // (q.shape[1] * k.shape[0])))

@@ -358,3 +358,21 @@ def test_gemma_scale_softcap_and_window_reach_the_kernel(tmp_path, monkeypatch, 
         assert window_arg == (window or 0)
         assert cap_in == pytest.approx(144 ** -0.5 / 50.0, rel=1e-6)
         assert cap_out == pytest.approx(50.0 * attention.LOG2E, rel=1e-6)
+
+
+def test_eager_index_tensors_are_made_once_per_batch():
+    """CPU: the short rows and prefill slots the eager path derives are right, shared by every layer's call, and
+    not carried over to a copy of the batch on another device."""
+    from exl_backends.kernels import attention
+    from exl_backends.model import batch_on
+    chunks = [SeqChunk([5, 6, 7], 40, [3, 1, 4]), SeqChunk(list(range(40)), 9, [2, 0, 5, 6]),
+              SeqChunk([8], 17, [7, 8])]
+    batch = Batch.build(chunks, page_size=16)
+    rows, row_seq, positions = attention._short_rows(batch)
+    assert rows.tolist() == [0, 1, 2, 43] and row_seq.tolist() == [0, 0, 0, 2]
+    assert positions.tolist() == [40, 41, 42, 17]
+    assert attention._short_rows(batch)[0] is rows
+    slots = attention._prefill_slots(batch, 1, 4, 49)
+    assert torch.equal(slots, batch.kv_slots(1)[4:49])
+    assert attention._prefill_slots(batch, 1, 4, 49) is slots
+    assert not batch_on(batch, torch.device("meta")).derived
