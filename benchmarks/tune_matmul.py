@@ -23,12 +23,15 @@ from exl_backends.kernels import loader  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
+M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
+
+
 def use_define(define: str) -> None:
     """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them)."""
     original = loader.module.__wrapped__
     blocks = [int(d.split("=")[1]) for d in define.split("+") if d.startswith("QMM_M1_BLOCKS=")]
-    qm.RESIDENT_BLOCKS[1] = blocks[0] if blocks else 2
+    qm.RESIDENT_BLOCKS[1] = blocks[0] if blocks else M1_BLOCKS
 
     @functools.cache
     def module(family, cc):
