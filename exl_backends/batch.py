@@ -83,9 +83,9 @@ class Batch:
     def n_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    def kv_slots(self, b: int) -> Tensor:
-        """Cache slots of positions 0 .. seq_lens[b]-1 of sequence b, in order."""
-        pos = torch.arange(int(self.seq_lens[b]), device=self.block_tables.device)
+    def kv_slots(self, b: int, start: int = 0, end: int | None = None) -> Tensor:
+        """Cache slots of positions start .. end - 1 of sequence b (by default all its seq_lens[b]), in order."""
+        pos = torch.arange(start, int(self.seq_lens[b]) if end is None else end, device=self.block_tables.device)
         return self.block_tables[b].long()[pos // self.page_size] * self.page_size + pos % self.page_size
 
 

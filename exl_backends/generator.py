@@ -271,8 +271,7 @@ class Generator:
             job.n_cached = min(job.n_cached, last)
             if job.n_draft_cached is not None:
                 job.n_draft_cached = min(job.n_draft_cached, last)
-            if job.n_registered < job.n_prompt // self.page_size:    # else no prompt page is left to register
-                self.scheduler.register(job, min(job.n_computed, job.n_prompt))
+            self.scheduler.register(job, min(job.n_computed, job.n_prompt))
             if job.is_finished:
                 self.scheduler.drop(job)
             self._emit(job)

@@ -165,9 +165,7 @@ def _prefill_slots(batch, b: int, k0: int, n_keys: int) -> Tensor:
     window start reads the same ones)."""
     key = ("prefill", b, k0)
     if key not in batch.derived:
-        ps = batch.page_size
-        pos = torch.arange(k0, n_keys, device=batch.block_tables.device)
-        batch.derived[key] = batch.block_tables[b].long()[pos // ps] * ps + pos % ps
+        batch.derived[key] = batch.kv_slots(b, k0, n_keys)
     return batch.derived[key]
 
 

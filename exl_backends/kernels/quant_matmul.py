@@ -40,7 +40,8 @@ ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-ro
 # (~b/8 bytes per weight, 0.5 at 4 bpw); the dequant path reads it once, writes and re-reads 2 bytes per weight
 # (~4.5 bytes at 4 bpw) and then runs at cuBLAS speed. The byte counts cross near 8 passes; per-pass overheads
 # (gathering x, MMA issue) pull that down: on the H200 (bench_matmul.py, 4096 x 14336 at 4.0 bpw) a 16-row pass
-# takes 41 us and dequant + cuBLAS 82 us for any M up to 64, so they tie at 2 passes.
+# took 41 us and dequant + cuBLAS 82 us for any M up to 64, so they tied at 2 passes. (Since kernel v5 a pass takes
+# 35 us: 32 rows would now be faster in two passes, not yet measured in whole engine steps.)
 LARGE_M = 32
 RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
