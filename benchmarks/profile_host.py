@@ -25,11 +25,24 @@ from shapes import synthetic_model  # noqa: E402
 from exl_backends.batch import Batch, SeqChunk  # noqa: E402
 from exl_backends.bench import fill_cache  # noqa: E402
 from exl_backends.cache import KVCache  # noqa: E402
+from exl_backends.runner import MAX_TOKENS, Runner  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(forward, reps: int, device: torch.device) -> tuple[float, float]:
+    """(wall, host) seconds per call: host until the last launch returns, wall until the GPU is done."""
+    forward()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        forward()
+    host = (time.perf_counter() - t0) / reps           # launches returned; the GPU may still be busy
+    sync(device)
+    return (time.perf_counter() - t0) / reps, host
 
 
 def main() -> None:
@@ -44,21 +57,18 @@ def main() -> None:
     model = synthetic_model(args.shape, device=args.device)
     ps, counts = 256, [int(t) for t in args.tokens.split(",")]
     n_pages = -(-(args.context + max(counts)) // ps)
-    cache = KVCache(model.config, n_pages, ps, "fp16", device, model.dtype)
+    cache = KVCache(model.config, n_pages + 1, ps, "fp16", device, model.dtype)
     fill_cache(cache)
     pages = cache.pool.allocate(n_pages)
+    runner = Runner(model, cache, max_batch=1, max_pages=n_pages + 1)     # + its trash page
     print(f"{args.shape} on {device}, eager forwards after {args.context} cached tokens:")
     for t in counts:
         batch = Batch.build([SeqChunk(list(range(1, t + 1)), args.context, pages)], ps, device, all_logits=True)
-        model.forward(batch, cache)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.reps):
-            model.forward(batch, cache)
-        host = (time.perf_counter() - t0) / args.reps           # launches returned; the GPU may still be busy
-        sync(device)
-        wall = (time.perf_counter() - t0) / args.reps
+        wall, host = timed(lambda: model.forward(batch, cache), args.reps, device)
         print(f"  {t:5d} tokens: {1000 * wall:7.2f} ms per forward, host {1000 * host:7.2f} ms")
+        if device.type == "cuda" and t > MAX_TOKENS:      # the generator's path: graph pieces around attention
+            wall, host = timed(lambda: runner.forward(batch), args.reps, device)
+            print(f"  {t:5d} tokens: {1000 * wall:7.2f} ms per forward, host {1000 * host:7.2f} ms (graph pieces)")
     for t in (counts[0], counts[-1]):
         batch = Batch.build([SeqChunk(list(range(1, t + 1)), args.context, pages)], ps, device, all_logits=True)
         profiler = cProfile.Profile()

@@ -25,6 +25,11 @@ class Attention:
                         if value is not None}
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
+        return self.o(self.attend(self.project(x, batch.slots, cache, cos, sin, ops), batch, cache, ops))
+
+    def project(self, x: Tensor, slots: Tensor, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
+        """x [T, D] -> the roped queries [T, H, Dh]; the roped keys and the values written into cache at slots.
+        Row by row (a CUDA graph of many tokens captures it; attend, which mixes rows, runs between such graphs)."""
         t = x.shape[0]
         q, k, v = self.qkv(x)
         q = q.view(t, self.n_heads, self.head_dim)                         # [T, H, Dh]
@@ -33,6 +38,9 @@ class Attention:
         if self.q_norm is not None:
             q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.norm_eps).view(q.shape)
             k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.norm_eps).view(k.shape)
-        q = ops.rope_write(q, k, v, cos, sin, cache, self.layer, batch.slots)   # k roped; k, v into the cache
+        return ops.rope_write(q, k, v, cos, sin, cache, self.layer, slots)   # k roped; k, v into the cache
+
+    def attend(self, q: Tensor, batch: Batch, cache: KVCache, ops: Ops) -> Tensor:
+        """q [T, H, Dh] -> the attention output [T, H * Dh], ahead of the o projection."""
         out = ops.paged_attention(q, cache, self.layer, batch, self.scale, **self.options)   # [T, H, Dh]
-        return self.o(out.reshape(t, self.n_heads * self.head_dim))
+        return out.reshape(q.shape[0], self.n_heads * self.head_dim)

@@ -143,34 +143,44 @@ class Model:
         """Stage k's blocks, on its device (the current one; batch there too), from the embedding (k = 0) or from
         the stage before's (normed x, residual), moved here at a device boundary. Returns (x, residual) for the
         next stage, or after the last one the f32 logits [R, vocab] for batch.logit_rows (None: every row)."""
-        ops, eps, stage = self.ops, self.config.rms_norm_eps, self.stages[k]
-        rope, local = self.stage_ropes[stage.device]
-        ropes = {False: rope.cos_sin(batch, ops, self.dtype)}
-        if local is not None:
-            ropes[True] = local.cos_sin(batch, ops, self.dtype)
+        stage = self.stages[k]
+        ropes = self.cos_sin(batch, stage.device)
         if carry is None:
-            residual = ops.embedding(batch.input_ids, self.embed)                      # [T, D]
-            if self.embed_scale is not None:
-                residual = residual * self.embed_scale
-            x = ops.rmsnorm(residual, self.blocks[0].input_norm, eps)
+            x, residual = self.embed_tokens(batch.input_ids)
         else:
             x, residual = (t.to(stage.device) for t in carry)
         for i in stage.layers:
-            x, residual = self._block(i, x, residual, batch, cache, ropes)
+            q = self.project(i, x, batch.slots, cache, ropes)
+            x, residual = self.after_attention(i, self.blocks[i].attention.attend(q, batch, cache, self.ops), residual)
         if k + 1 < len(self.stages):
             return x, residual
-        if batch.logit_rows is not None:
-            x = x[batch.logit_rows]
-        logits = self.lm_head(x).float()
-        if self.config.final_softcap is not None:
-            logits = ops.softcap(logits, self.config.final_softcap)
-        return logits
+        return self.logits(x, batch)
 
-    def _block(self, i: int, x: Tensor, residual: Tensor, batch: Batch, cache: KVCache,
-               ropes: dict[bool, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """Block i: returns (the next norm of the residual, the residual)."""
+    def cos_sin(self, batch: Batch, device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
+        """The rope tables of the batch's positions on a stage's device, by Block.local_rope."""
+        rope, local = self.stage_ropes[device]
+        ropes = {False: rope.cos_sin(batch, self.ops, self.dtype)}
+        if local is not None:
+            ropes[True] = local.cos_sin(batch, self.ops, self.dtype)
+        return ropes
+
+    def embed_tokens(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(the first block's normed input, the residual stream) [T, D] each."""
+        residual = self.ops.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
+        return self.ops.rmsnorm(residual, self.blocks[0].input_norm, self.config.rms_norm_eps), residual
+
+    def project(self, i: int, x: Tensor, slots: Tensor, cache: KVCache, ropes: dict[bool, tuple[Tensor, Tensor]]):
+        """Block i up to its attention: the roped queries [T, H, Dh]; keys and values written into cache at slots."""
+        block = self.blocks[i]
+        return block.attention.project(x, slots, cache, *ropes[block.local_rope], self.ops)
+
+    def after_attention(self, i: int, attn: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """Block i from its attention output [T, H * Dh] on: (the next norm of the residual, the residual). Row by
+        row: no row depends on another."""
         ops, eps, block = self.ops, self.config.rms_norm_eps, self.blocks[i]
-        a = block.attention(x, batch, cache, *ropes[block.local_rope], ops)
+        a = block.attention.o(attn)
         if block.attn_out_norm is not None:
             a = ops.rmsnorm(a, block.attn_out_norm, eps)
         x, residual = ops.add_rmsnorm(a, residual, block.post_attn_norm, eps)
@@ -178,6 +188,15 @@ class Model:
         if block.mlp_out_norm is not None:
             m = ops.rmsnorm(m, block.mlp_out_norm, eps)
         return ops.add_rmsnorm(m, residual, self.next_norms[i], eps)
+
+    def logits(self, x: Tensor, batch: Batch) -> Tensor:
+        """f32 logits [R, vocab] of the final-normed x [T, D], for batch.logit_rows (None: every row)."""
+        if batch.logit_rows is not None:
+            x = x[batch.logit_rows]
+        logits = self.lm_head(x).float()
+        if self.config.final_softcap is not None:
+            logits = self.ops.softcap(logits, self.config.final_softcap)
+        return logits
 
 
 def missing_ops(config: ModelConfig, ops: Ops) -> list[str]:

@@ -14,7 +14,9 @@ scratch  the live tensors of the largest prefill chunk, chunk = min(context, PRE
                       f32 copy for the rows one engine step samples from (a row per job, 1 + k per job
                       drafting k tokens);
          dequant      the largest quantized linear as a dense fp16 matrix, columns padded to 32 (large
-                      batches dequantize it, then call cuBLAS).
+                      batches dequantize it, then call cuBLAS);
+         pieces       the static buffers of the graphs that run steps of many tokens (runner.PrefillGraphs):
+                      residual, normed x, queries and attention output for TOKEN_SIZES[-1] rows.
 reserve  RESERVE_BYTES for the cuBLAS workspace, compiled kernels and allocator fragmentation (the CUDA
          context itself is already outside torch.cuda.mem_get_info's free memory).
 Outside the plan: a transformers-style full forward, `model(input_ids)`, which makes its own cache for its input
@@ -28,6 +30,7 @@ import torch
 
 from . import cache as kv_cache
 from . import formats, model
+from .runner import TOKEN_SIZES
 from .config import ModelConfig
 from .errors import ConfigError, OutOfMemoryPlanError
 
@@ -75,7 +78,9 @@ class Footprint:
     def scratch(self, tokens: int) -> int:
         c = self.config
         width = 2 * c.hidden_size + (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.intermediate_size
-        return min(tokens, PREFILL_CHUNK) * width * self.dtype.itemsize + self.logits(tokens) + self.dequant_bytes
+        pieces = TOKEN_SIZES[-1] * (2 * c.hidden_size + 2 * c.n_heads * c.head_dim) * self.dtype.itemsize
+        return min(tokens, PREFILL_CHUNK) * width * self.dtype.itemsize + self.logits(tokens) + self.dequant_bytes \
+            + pieces
 
     def logits(self, tokens: int) -> int:
         """The logits part of scratch."""

@@ -8,7 +8,12 @@ sequence adds the same t <= 8 tokens: its newest and t - 1 drafted ones) is capt
 so that checking drafted tokens costs about one decode step. `eager=True` turns graphs off (debug). A layer split
 over several GPUs captures one graph per GPU, replayed one after the other.
 
-The graphs come from model.decode_graphs: a Model's own, or under tensor parallelism rank 0's
+Any other step of up to 2048 tokens (prompt chunks, decode rows beside a prompt) replays graphs too, one per block
+boundary (PrefillGraphs): everything but attention works row by row, so it is captured once per size of a token
+ladder and replayed for any batch padded up to that size, while attention runs eagerly between the graphs. A
+2000-token prompt's eager forward spent ~48 ms of host time on ~55 ms of GPU time, a 208-token one ~40 ms on ~14.
+
+The decode graphs come from model.decode_graphs: a Model's own, or under tensor parallelism rank 0's
 (parallel.TensorParallelModel), which announce each replay to the other ranks; every rank captures the same
 step over its shard at the same first use (the NCCL all-reduces captured with it) and replays it in lockstep."""
 from __future__ import annotations
@@ -20,11 +25,13 @@ from torch import Tensor
 
 from .batch import Batch
 from .cache import KVCache
-from .kernels.attention import ROW_KERNEL_MAX_NEW
 from .model import Model, batch_on
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-MAX_TOKENS = ROW_KERNEL_MAX_NEW     # per sequence in a captured step: attention runs such rows as decode rows
+TOKEN_SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)     # of PrefillGraphs
+# per sequence in a captured step (decode; verify: 1 + up to 7 drafted): attention must run them as split-K rows,
+# which reads nothing on the host (kernels.attention.ROW_KERNEL_MAX_NEW >= this)
+MAX_TOKENS = 8
 MAX_ROWS = 128                      # of a captured verify step (its f32 logits: rows x vocab x 4 bytes)
 
 
@@ -141,8 +148,95 @@ class DecodeGraphs:
         return graph.run(batch)
 
 
+class PrefillGraphs:
+    """Steps that no decode graph serves, of up to TOKEN_SIZES[-1] tokens, padded up to the next size of
+    TOKEN_SIZES, as n_layers + 1 graphs per size between the blocks' attention calls: piece 0 from the embedding to
+    block 0's queries, piece i from block i-1's attention output to block i's queries, the last one to the final
+    norm. Every op in them works row by row, so any batch fits; attention (which mixes rows and reads the batch's
+    lengths on the host) and the head on the wanted rows run eagerly, on the graphs' static buffers. Padding rows
+    write their K/V to the trash page. The static buffers are shared by all sizes (only one step runs at a time).
+    Not for layer splits, tensor parallelism or MoE models (routing many tokens reads the host). On the CPU the
+    pieces run eagerly on the same buffers (a stand-in for tests)."""
+
+    def __init__(self, model: Model, cache: KVCache, trash_page: int, pool) -> None:
+        dev, c, n = model.device, model.config, TOKEN_SIZES[-1]
+        self.model, self.cache, self.pool = model, cache, pool
+        self.pad_slots = trash_page * cache.page_size + torch.arange(n, device=dev) % cache.page_size
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = self.pad_slots.clone()
+        self.q = torch.zeros(n, c.n_heads, c.head_dim, dtype=model.dtype, device=dev)
+        self.attn = torch.zeros(n, c.n_heads * c.head_dim, dtype=model.dtype, device=dev)
+        self.residual = torch.zeros(n, c.hidden_size, dtype=model.dtype, device=dev)
+        self.x = torch.zeros_like(self.residual)
+        self.ropes: dict[bool, tuple[Tensor, Tensor]] = {}      # static cos/sin, shaped by the first batch
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    @staticmethod
+    def size(tokens: int) -> int | None:
+        """The padded size of a step of `tokens` tokens, or None when it is too long (eager)."""
+        return next((s for s in TOKEN_SIZES if s >= tokens), None)
+
+    def run(self, size: int, batch: Batch) -> Tensor:
+        m, t = self.model, batch.input_ids.shape[0]
+        ropes = m.cos_sin(batch, m.device)
+        if not self.ropes:
+            self.ropes = {local: tuple(torch.zeros(TOKEN_SIZES[-1], *x.shape[1:], dtype=x.dtype, device=x.device)
+                                       for x in pair) for local, pair in ropes.items()}
+        if size not in self.graphs and m.device.type == "cuda":
+            self.graphs[size] = self._capture(size)
+        self.ids[:t].copy_(batch.input_ids)
+        self.slots[:t].copy_(batch.slots)
+        self.slots[t:size].copy_(self.pad_slots[t:size])
+        for local, pair in ropes.items():
+            for static, x in zip(self.ropes[local], pair):
+                static[:t].copy_(x)
+        for i, block in enumerate(m.blocks):
+            self._replay(i, size)
+            self.attn[:t].copy_(block.attention.attend(self.q[:t], batch, self.cache, m.ops))
+        self._replay(len(m.blocks), size)
+        return m.logits(self.x[:t], batch)
+
+    def _replay(self, i: int, size: int) -> None:
+        if size in self.graphs:
+            self.graphs[size][i].replay()
+        else:
+            self._piece(i, size)
+
+    def _piece(self, i: int, n: int) -> None:
+        """Piece i of a step of n rows, on the static buffers."""
+        m = self.model
+        if i == 0:
+            x, residual = m.embed_tokens(self.ids[:n])
+        else:
+            x, residual = m.after_attention(i - 1, self.attn[:n], self.residual[:n])
+        if i == len(m.blocks):
+            self.x[:n].copy_(x)
+            return
+        ropes = {local: (cos[:n], sin[:n]) for local, (cos, sin) in self.ropes.items()}
+        self.q[:n].copy_(m.project(i, x, self.slots[:n], self.cache, ropes))
+        self.residual[:n].copy_(residual)
+
+    def _capture(self, size: int) -> list[torch.cuda.CUDAGraph]:
+        self.slots.copy_(self.pad_slots)        # the warm-up writes K/V: to the trash page, not a sequence's slots
+        pieces = range(len(self.model.blocks) + 1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):           # warm-up: compiles kernels, settles allocations
+            for i in pieces:
+                self._piece(i, size)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for i in pieces:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._piece(i, size)
+            graphs.append(graph)
+        return graphs
+
+
 class Runner:
-    """`forward(batch)` for the generator: graph replay for decode and verify batches, eager otherwise."""
+    """`forward(batch)` for the generator: graph replay for decode and verify batches, graph pieces around eager
+    attention for other steps up to TOKEN_SIZES[-1] tokens, eager otherwise."""
 
     def __init__(self, model: Model, cache: KVCache, max_batch: int, max_pages: int, eager: bool | None = None,
                  trash_page: int | None = None):
@@ -152,18 +246,23 @@ class Runner:
         self.model, self.cache, self.max_pages = model, cache, max_pages
         self.use_graphs = model.device.type == "cuda" if eager is None else not eager
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
-        self.trash_page = self.graphs = None
+        self.trash_page = self.graphs = self.prefill = None
         if self.use_graphs:
             self.trash_page = cache.pool.allocate(1)[0] if trash_page is None else trash_page
             self.graphs = model.decode_graphs(cache, max_pages, self.trash_page)
+            if isinstance(model, Model) and len(model.stages) == 1 and model.config.moe is None:
+                self.prefill = PrefillGraphs(model, cache, self.trash_page, self.graphs.pool)
 
     def forward(self, batch: Batch) -> Tensor:
         """The batch's logits rows; after a graph replay, a view of the graph's static output, valid until the
         next forward (copy it to keep it)."""
         shape = self._graph_shape(batch)
-        if shape is None:
-            return self.model.forward(batch, self.cache)
-        return self.graphs.run(*shape, batch)
+        if shape is not None:
+            return self.graphs.run(*shape, batch)
+        size = self.prefill and self.prefill.size(batch.input_ids.shape[0])
+        if size:
+            return self.prefill.run(size, batch)
+        return self.model.forward(batch, self.cache)
 
     def _graph_shape(self, batch: Batch) -> tuple[int, int] | None:
         """(graph batch size, tokens per sequence) of a step a graph serves, else None. From shapes and row_seq

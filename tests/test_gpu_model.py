@@ -68,7 +68,10 @@ def test_smollm2_shape_gpu_logits_match_cpu_reference(tmp_path):
 def test_graph_replay_generates_the_same_tokens_as_eager(cache_mode):
     model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
                                            max_seq_len=512, cache_mode=cache_mode)
+    # 128 prompt tokens in all: the first step fills a size of the prefill graphs exactly, so no padding rows change
+    # its matmul plans and the prompts' K/V are eager's bit for bit (padding: test_prefill_pieces_replay_the_eager_logits)
     prompts = [[509] + list(range(20 + i, 40 + 3 * i)) for i in range(5)]
+    prompts[-1] += [7, 8, 9]
 
     def run(graphs):
         gen = Generator(model, cuda_graphs=graphs, max_batch_size=8)
@@ -95,3 +98,38 @@ def test_speculative_verify_graphs_generate_the_eager_tokens(drafting):
     gen, replayed = run(True)
     assert any(tokens > 1 for _, tokens in gen.runner.graphs.by_shape)
     assert replayed == run(False)[1]
+
+
+@needs_fixtures()
+@pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
+def test_prefill_pieces_replay_the_eager_logits(cache_mode):
+    """Steps that no decode graph takes (prompts, and a prompt chunk beside a decode row) through the captured
+    pieces around eager attention give the eager forward's logits; padding rows leave the sequences' cache alone."""
+    from exl_backends.batch import Batch, SeqChunk
+    from exl_backends.cache import KVCache
+    from exl_backends.runner import Runner
+    lm = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                        max_seq_len=1024, cache_mode=cache_mode)
+    model = lm.model
+    cache = KVCache(model.config, 8, 256, cache_mode, "cuda", torch.float16)
+    runner = Runner(model, cache, max_batch=4, max_pages=4)
+    pages = [cache.pool.allocate(2) for _ in range(3)]
+    g = torch.Generator().manual_seed(3)
+
+    def tokens(n):
+        return torch.randint(1, 500, (n,), generator=g).tolist()
+    steps = [[SeqChunk(tokens(300), 0, pages[0]), SeqChunk(tokens(40), 0, pages[1])],
+             [SeqChunk(tokens(1), 300, pages[0]), SeqChunk(tokens(79), 40, pages[1]), SeqChunk(tokens(13), 0, pages[2])],
+             [SeqChunk(tokens(5), 13, pages[2]), SeqChunk(tokens(2), 301, pages[0])]]
+    for chunks in steps:
+        batch = Batch.build(chunks, 256, "cuda", all_logits=True)
+        eager = model.forward(batch, cache)
+        kept = [t[256 * p:256 * (p + 1)].clone() for layer in cache.layers for t in (layer.k, layer.v)
+                for p in pages[0] + pages[1] + pages[2]]
+        ours = runner.forward(batch)
+        assert rel(ours, eager) < 2e-3
+        assert (ours.argmax(-1) == eager.argmax(-1)).float().mean() > 0.95
+        now = [t[256 * p:256 * (p + 1)] for layer in cache.layers for t in (layer.k, layer.v)
+               for p in pages[0] + pages[1] + pages[2]]
+        assert all((a.float() - b.float()).norm() <= 2e-3 * b.float().norm() for a, b in zip(now, kept))
+    assert sorted(runner.prefill.graphs) == [8, 96, 384]

@@ -99,7 +99,7 @@ def test_cache_bytes_follow_the_formula_and_the_allocation(dirs, mode, k_bytes, 
 
 def test_scratch_grows_with_the_prefill_chunk_only(dirs):
     """Activations for a prefill chunk, logits for at most LOGIT_ROWS rows (an engine step samples from a row or
-    a few per job, not from every prompt token), the largest linear dequantized."""
+    a few per job, not from every prompt token), the largest linear dequantized, the prefill graphs' buffers."""
     d = dirs["exl2"]
     config = ModelConfig.from_dir(d)
     fp = planner.footprint(formats.open_checkpoint(d), config)
@@ -107,6 +107,7 @@ def test_scratch_grows_with_the_prefill_chunk_only(dirs):
     per_token = (2 * c.hidden_size + (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.intermediate_size) * 2
     per_row = c.vocab_size * (2 + 4)
     largest = max(k * ((n + 31) // 32 * 32) for _, k, n, _ in _all_linears(config, d)) * 2
+    largest += 2048 * (2 * c.hidden_size + 2 * c.n_heads * c.head_dim) * 2       # the prefill graphs' buffers
     assert fp.plan(100).scratch == 100 * (per_token + per_row) + largest
     full_chunk = planner.PREFILL_CHUNK * per_token + planner.LOGIT_ROWS * per_row + largest
     assert fp.plan(10**6).scratch == fp.plan(planner.PREFILL_CHUNK).scratch == full_chunk

@@ -10,8 +10,9 @@ from exl_backends import generator as generator_module
 from exl_backends.batch import Batch, SeqChunk
 from exl_backends.cache import KVCache
 from exl_backends.config import ModelConfig
+from exl_backends.kernels.attention import ROW_KERNEL_MAX_NEW
 from exl_backends.model import Model
-from exl_backends.runner import MAX_TOKENS, Runner
+from exl_backends.runner import MAX_TOKENS, PrefillGraphs, Runner
 
 from conftest import save_tiny, tiny_config
 from test_speculative import repetitive_prompts, run
@@ -58,7 +59,7 @@ def test_a_step_of_alike_sequences_replays_and_equals_eager(model, tokens):
     assert list(runner.graphs.by_shape) == [(4, tokens)]
 
 
-def test_other_steps_run_eagerly(model):
+def test_other_steps_take_token_pieces(model):
     lengths = [5, 21, 40]
     cache, pages = prefilled(model, lengths)
     runner = Runner(model, cache, max_batch=8, max_pages=4, eager=False)
@@ -67,6 +68,39 @@ def test_other_steps_run_eagerly(model):
     chunks = [SeqChunk([1, 2, 3], n, p) for n, p in zip(lengths, pages)]
     assert runner._graph_shape(Batch.build(chunks, PAGE, "cpu")) is None                  # last rows' logits only
     assert Runner(model, cache, 8, 4, eager=True)._graph_shape(verify_batch(lengths, pages, [2] * 3)) is None
+    assert Runner(model, cache, 8, 4, eager=True).prefill is None
+    assert [PrefillGraphs.size(t) for t in (1, 8, 9, 100, 2048, 2049)] == [8, 8, 16, 128, 2048, None]
+    assert MAX_TOKENS <= ROW_KERNEL_MAX_NEW        # captured steps' attention reads nothing on the host
+
+
+def cache_contents(cache: KVCache) -> list[torch.Tensor]:
+    return [t.clone() for layer in cache.layers for t in (layer.k, layer.v)]
+
+
+@pytest.mark.parametrize("tokens", [[2, 3, 2], [1, 11, 1], [9, 20, 23]])
+def test_token_pieces_equal_eager_and_pad_into_the_trash_page(model, tokens):
+    """Steps no decode graph takes (unlike sequences, prompt chunks beside decode rows, prompts) through the pieces
+    around eager attention (on the CPU their stand-in, on the same static buffers), padded up to a token size: the
+    eager logits, and the same cache except for the trash page, which the padding rows write."""
+    lengths = [5, 21, 40]
+    cache, pages = prefilled(model, lengths)
+    runner = Runner(model, cache, max_batch=8, max_pages=4, eager=False)
+    batch = verify_batch(lengths, pages, tokens)
+    before = cache_contents(cache)
+    eager = model.forward(batch, cache)
+    after_eager = cache_contents(cache)
+    for t, original in zip((t for layer in cache.layers for t in (layer.k, layer.v)), before):
+        t.copy_(original)
+    torch.testing.assert_close(runner.forward(batch), eager, rtol=1e-5, atol=1e-5)
+    trash = slice(runner.trash_page * PAGE, (runner.trash_page + 1) * PAGE)
+    for ours, theirs in zip(cache_contents(cache), after_eager):
+        torch.testing.assert_close(ours[:trash.start], theirs[:trash.start], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours[trash.stop:], theirs[trash.stop:], rtol=1e-5, atol=1e-5)
+    assert sum(tokens) < PrefillGraphs.size(sum(tokens))           # the step was padded
+    assert runner.prefill.ropes and runner.graphs.by_shape == {}
+    # a second, longer step on the same buffers (stale rows of the first must not matter)
+    longer = verify_batch(lengths, pages, [t + 1 for t in tokens])
+    torch.testing.assert_close(runner.forward(longer), model.forward(longer, cache), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("drafting", ["ngram", "draft-model"])

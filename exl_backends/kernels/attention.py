@@ -1,15 +1,19 @@
 """Paged attention on CUDA (ops.paged_attention): the split-K decode kernels of attention.cu for query rows that are
-alone (or nearly) in their sequence, and torch's scaled_dot_product_attention over gathered fp16 K/V for prompts
-(with an attention-logit soft-cap, which SDPA lacks: plain torch matmuls and softmax in f32, in query chunks).
-Both take the sliding window and the soft-cap of reference.paged_attention; with a window, neither reads the pages
+alone (or nearly) in their sequence, and for prompts torch's flash attention over gathered fp16 K/V: every prompt of
+a batch in one varlen call (sm_80+); per prompt through scaled_dot_product_attention on older GPUs and with an
+attention-logit soft-cap, which flash attention lacks (plain torch matmuls and softmax in f32, in query chunks).
+All take the sliding window and the soft-cap of reference.paged_attention; with a window, none reads the pages
 of keys that no query of the pass can see.
 
 Decode batches (one new token per sequence, the case captured in a CUDA graph) go to the decode kernel with no host
 reads: the grid depends only on the batch size and the block table's width. Mixed batches (eager) read the
-sequence lengths on the host once per call and send each sequence its own way."""
+sequence lengths on the host once per batch and send each sequence its own way; the index tensors that takes are
+made once per batch, not per layer (batch.derived)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +34,10 @@ HEAD_DIMS = {"fp16": (16, 32, 64, 96, 128, 256), "q8": (64, 128, 256), "q6": (64
 REGISTERS_PER_SM = 65536
 MIN_SPLIT_KEYS = 256            # attention.cu's MIN_SPLIT: no more splits than a full block table fills
 COUNTERS = 4096                 # initial size of the per-device split counters (grown on demand)
-ROW_KERNEL_MAX_NEW = 8          # mixed batches: sequences with at most this many new tokens use the decode kernel
+# sequences with at most this many new tokens run as rows of the split-K decode kernel, longer ones through flash
+# attention, which gives each 128 queries and head one block: after a long prefix it leaves most of the GPU idle
+# (H200, 8B heads, after 1792 keys: 16 new tokens 28 us as rows vs 67-76 us flash, 32: 42 vs 67, 64: 80 vs 68)
+ROW_KERNEL_MAX_NEW = 32
 QUERY_CHUNK = 4096              # prefill: query rows per scaled_dot_product_attention call
 SOFTCAP_SCORES = 1 << 26        # prefill with a soft-cap: f32 scores materialised per chunk (256 MB)
 
@@ -130,17 +137,84 @@ def _counters(device: torch.device, size: int) -> Tensor:
 
 
 def _mixed(q: Tensor, cache, layer: int, batch, scale: float, window: int | None, softcap: float | None) -> Tensor:
-    cu, n_keys = batch.lengths_on_host()        # eager path: kept by Batch.build (else one host read per forward)
     out = torch.empty_like(q)
     short = _short_rows(batch)
     if short is not None:
         rows, row_seq, positions = short
         out[rows] = split_k(q[rows], cache, layer, batch, positions, row_seq, scale, window, softcap)
+    if softcap is None and _has_varlen_flash(q):
+        prompts = _prompts(batch, window)
+        if prompts is not None:
+            o = _varlen(q[prompts.rows], cache, layer, prompts, scale, window)
+            if short is None and o.shape[0] == q.shape[0]:
+                return o
+            out[prompts.rows] = o
+        return out
+    cu, n_keys = batch.lengths_on_host()        # eager path: kept by Batch.build (else one host read per forward)
     for b in range(batch.n_seqs):
         if cu[b + 1] - cu[b] > ROW_KERNEL_MAX_NEW:
             out[cu[b]:cu[b + 1]] = _prefill(q[cu[b]:cu[b + 1]], cache, layer, batch, b, n_keys[b], scale, window,
                                             softcap)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """The sequences of a mixed batch with more than ROW_KERNEL_MAX_NEW new tokens, as one varlen flash attention
+    call takes them: their query rows (a slice when contiguous), the visible keys of each packed one after the other
+    (their cache slots; from the first key in the window of the sequence's first query), and both cumulative
+    lengths (int32 [n + 1], on the device)."""
+    rows: slice | Tensor
+    slots: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+def _prompts(batch, window: int | None) -> Prompts | None:
+    """Made once per batch and window (batch.derived); None when no sequence is long."""
+    key = ("prompts", window)
+    if key not in batch.derived:
+        cu, n_keys = batch.lengths_on_host()
+        long = [b for b in range(batch.n_seqs) if cu[b + 1] - cu[b] > ROW_KERNEL_MAX_NEW]
+        found = None
+        if long:
+            device = batch.positions.device
+            starts = [0 if window is None else max(0, n_keys[b] - (cu[b + 1] - cu[b]) - window + 1) for b in long]
+            slots = [_prefill_slots(batch, b, k0, n_keys[b]) for b, k0 in zip(long, starts)]
+            q_lens = [cu[b + 1] - cu[b] for b in long]
+            k_lens = [n_keys[b] - k0 for b, k0 in zip(long, starts)]
+            lengths = upload(torch.tensor([list(accumulate(q_lens, initial=0)), list(accumulate(k_lens, initial=0))],
+                                          dtype=torch.int32), device)
+            if all(cu[a + 1] == cu[b] for a, b in zip(long, long[1:])):
+                rows = slice(cu[long[0]], cu[long[-1] + 1])
+            else:
+                rows = upload(torch.tensor([r for b in long for r in range(cu[b], cu[b + 1])]), device)
+            found = Prompts(rows, torch.cat(slots) if len(slots) > 1 else slots[0], lengths[0], lengths[1],
+                            max(q_lens), max(k_lens))
+        batch.derived[key] = found
+    return batch.derived[key]
+
+
+def _varlen(q: Tensor, cache, layer: int, prompts: Prompts, scale: float, window: int | None) -> Tensor:
+    """Causal attention of every long sequence at once, aligned bottom-right (queries are the last of their keys):
+    q [n, H, Dh] fp16 -> [n, H, Dh]. The keys are gathered (dequantized) from the cache into fp16 scratch. (Cutting
+    long prefixes into more blocks, merged by log-sum-exp, was slower: NOTES-attention.md.)"""
+    k, v = kv_cache.read(cache, layer, prompts.slots)                         # [keys, Hkv, Dh]
+    return torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k, v, prompts.cu_q, prompts.cu_k, prompts.max_q, prompts.max_k, 0.0, True, False,
+        scale=scale, window_size_left=-1 if window is None else window - 1, window_size_right=0)[0]
+
+
+@functools.cache
+def _flash_capable(device: torch.device) -> bool:
+    return compute_capability(device) >= (8, 0)
+
+
+def _has_varlen_flash(q: Tensor) -> bool:
+    """Whether torch's flash attention (sm_80+, fp16, head_dim a multiple of 8 up to 256) takes these queries."""
+    return q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _flash_capable(q.device)
 
 
 def _short_rows(batch) -> tuple[Tensor, Tensor, Tensor] | None:

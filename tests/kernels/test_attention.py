@@ -53,7 +53,7 @@ def shuffled_pages(specs, page_size, seed):
 
 
 def run_case(shape, mode, specs, page_size, seed, window=None, softcap=None, scale=None):
-    """scale: the attention scale (None: head_dim ** -0.5)."""
+    """scale: the attention scale (None: head_dim ** -0.5). Returns the batch."""
     from exl_backends.kernels import attention
     lists, n_pages = shuffled_pages(specs, page_size, seed)
     cache, g = filled_cache(shape, mode, n_pages, page_size, seed)
@@ -66,6 +66,7 @@ def run_case(shape, mode, specs, page_size, seed, window=None, softcap=None, sca
     options = {name: value for name, value in (("window", window), ("softcap", softcap)) if value is not None}
     ours = attention.paged_attention(q, cache, 0, batch, scale, **options)
     assert_attention_close(ours, reference.paged_attention(q, cache, 0, batch, scale, **options))
+    return batch
 
 
 def assert_attention_close(ours, ref):
@@ -91,6 +92,23 @@ def test_decode_batch(mode, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_mixed_batch(mode, shape):
     run_case(shape, mode, MIXED, 256, seed=sum(shape) + 1)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_prompts_side_by_side_and_alone(mode, window):
+    """Prompts after decode rows (their rows one contiguous range), and a batch of prompts only (the varlen
+    call's output is the result), with and without cached prefixes and a window."""
+    run_case((2, 4, 128), mode, [(4999, 1), (0, 300), (700, 57), (1500, 9)], 256, seed=11, window=window)
+    run_case((8, 4, 128), mode, [(0, 300), (700, 57), (256, 256)], 256, seed=12, window=window)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_prompts_after_long_prefixes(mode):
+    """Prompts after long prefixes beside one without a prefix, and a decode row."""
+    run_case((2, 4, 128), mode, [(1792, 208), (4000, 100), (5, 1), (0, 300)], 256, seed=13)
 
 
 @on_gpu
@@ -375,4 +393,18 @@ def test_eager_index_tensors_are_made_once_per_batch():
     slots = attention._prefill_slots(batch, 1, 4, 49)
     assert torch.equal(slots, batch.kv_slots(1)[4:49])
     assert attention._prefill_slots(batch, 1, 4, 49) is slots
+    prompts = attention._prompts(batch, None)
+    assert prompts.rows == slice(3, 43)
+    assert torch.equal(prompts.slots, batch.kv_slots(1)) and (prompts.max_q, prompts.max_k) == (40, 49)
+    assert prompts.cu_q.tolist() == [0, 40] and prompts.cu_k.tolist() == [0, 49]
+    windowed = attention._prompts(batch, 5)         # keys from the first query's window on: position 9 - 4
+    assert torch.equal(windowed.slots, batch.kv_slots(1)[5:]) and windowed.cu_k.tolist() == [0, 44]
+    assert attention._prompts(batch, None) is prompts
+    apart = Batch.build([SeqChunk(list(range(40)), 0, [1, 2, 3]), chunks[2], SeqChunk(list(range(35)), 3, [0, 4, 5])],
+                        16)
+    prompts = attention._prompts(apart, None)        # two prompts with a decode row between them
+    assert prompts.rows.tolist() == list(range(40)) + list(range(41, 76))
+    assert torch.equal(prompts.slots, torch.cat((apart.kv_slots(0), apart.kv_slots(2))))
+    assert prompts.cu_q.tolist() == [0, 40, 75] and prompts.cu_k.tolist() == [0, 40, 78]
     assert not batch_on(batch, torch.device("meta")).derived
+
