@@ -2,6 +2,8 @@
 picks kernels.quant_matmul.LARGE_M.
 
     python benchmarks/bench_matmul.py            # table on stdout; JSON to $OUT/bench_matmul.json if OUT is set
+    python benchmarks/bench_matmul.py --gemm     # only the M > 16 paths side by side (GEMM_MAX_M); JSON to
+                                                 # $OUT/bench_gemm.json
 
 Bytes per call are what the kernel must read: packed words, scale codes/scales/zeros, the per-chunk table and the
 permutation (x and y are negligible at M=1). Every call is timed inside a CUDA graph that cycles through enough
@@ -20,6 +22,7 @@ act-order.) Target: >= 75 % of copy bandwidth on the large shapes.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -38,6 +41,8 @@ SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
 EXL2_MIXES = {"exl2 2.5bpw": "0.05:6b_32g/0.2:3b_64g/0.75:2b_64g", "exl2 4.0bpw": "4b_128g",
               "exl2 6.0bpw": "6b_128g"}
 SWEEP_SHAPE, SWEEP_MIX, SWEEP_M = (4096, 14336), "4b_128g", [1, 4, 16, 32, 64, 512, 2048]
+GEMM_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144)]
+GEMM_ROWS = [16, 24, 32, 64, 128, 208, 256, 512]
 L2_BYTES = 60 << 20
 
 
@@ -123,7 +128,52 @@ def bench_fp16(k: int, n: int, m: int = 1) -> tuple[float, int]:
     return time_calls([lambda w=w: F.linear(x, w) for w in ws]), 2 * k * n
 
 
+def gemm_table() -> None:
+    """The three paths for M > 16 rows at 4.0 bpw EXL2 and GPTQ 4-bit g128 (act-order), weights from DRAM (copies
+    rotated, graph replay, as above): tiled GEMM (_gemm, incl. permute_x and the split-K reduce), dequant + cuBLAS
+    (_dequant_matmul), and 16-row passes of the small-M kernel (_small, up to 256 rows). Picks GEMM_MAX_M and
+    LARGE_M."""
+    props = torch.cuda.get_device_properties(0)
+    makers = {"exl2 4.0bpw": lambda k, n: lambda gen: exl2_weight(k, n, "4b_128g", gen),
+              "gptq 4bit g128": lambda k, n: lambda gen: gptq_weight(k, n, 4, 128, gen)}
+    rows = []
+    print(f"{props.name}: {props.multi_processor_count} SMs; LARGE_M = {qm.LARGE_M}, GEMM_MAX_M = {qm.GEMM_MAX_M}")
+    for fmt, maker in makers.items():
+        for k, n in GEMM_SHAPES:
+            make = maker(k, n)
+            gen = torch.Generator(device="cuda").manual_seed(k + n)
+            first = qm.prepare(make(gen), None)
+            fs = [first] + [qm.prepare(make(gen), None) for _ in range(copies_for(first.nbytes()) - 1)]
+            for m in GEMM_ROWS:
+                x = torch.randn(m, k, device="cuda").half()
+                us = {"gemm": time_calls([lambda f=f: f._gemm(x) for f in fs]) * 1e6,
+                      "dequant+mm": time_calls([lambda f=f: f._dequant_matmul(x) for f in fs]) * 1e6,
+                      "16-row passes": time_calls([lambda f=f: f._small(x) for f in fs]) * 1e6 if m <= 256 else None}
+                tflops = 2 * m * k * n / us["gemm"] / 1e6
+                rows.append(dict(format=fmt, k=k, n=n, m=m, tflops_gemm=tflops, **us))
+                print(f"{fmt:15} {k:>6} x {n:<6} M={m:<4} " + "  ".join(
+                    f"{name} {'-' if v is None else f'{v:8.2f}'}" for name, v in us.items()) +
+                    f"  (GEMM {tflops:5.0f} TFLOP/s)", flush=True)
+            del fs, first
+            torch.cuda.empty_cache()
+    print("\n| format | K x N | M | GEMM us | dequant + cuBLAS us | 16-row passes us | GEMM TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        small = "-" if r["16-row passes"] is None else f"{r['16-row passes']:.1f}"
+        print(f"| {r['format']} | {r['k']} x {r['n']} | {r['m']} | {r['gemm']:.1f} | {r['dequant+mm']:.1f} | {small} "
+              f"| {r['tflops_gemm']:.0f} |")
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "bench_gemm.json"
+        out.write_text(json.dumps(dict(device=props.name, rows=rows), indent=1))
+        print(f"\nwrote {out}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemm", action="store_true", help="only the M > 16 paths (gemm_table)")
+    if ap.parse_args().gemm:
+        gemm_table()
+        return
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
     print(f"{props.name}: {props.multi_processor_count} SMs, copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")

@@ -3,6 +3,8 @@ check against the reference (fused parts, 1..130 rows): for choosing constants s
 variant may also edit a constexpr into a macro first). Also a plain eager driver for ncu (--eager).
 
     python benchmarks/tune_matmul.py --defines QMM_PREFETCH_BYTES=2048,QMM_PREFETCH_BYTES=4096 --m 1,16
+    python benchmarks/tune_matmul.py --defines QMM_GEMM_STAGES=3,QMM_GEMM_STAGES=4 --m 64,208   # the tiled GEMM
+    python benchmarks/tune_matmul.py --set GEMM_RESIDENT=1,GEMM_RESIDENT=2 --m 64   # K splits
     ncu --kernel-name regex:exl2_matmul_m1 --launch-skip 4 --launch-count 1 python benchmarks/tune_matmul.py \
         --eager 4096x14336
 """
@@ -24,14 +26,19 @@ from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
 M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
+GEMM_BLOCKS, GEMM_STAGES = qm.GEMM_RESIDENT, qm.GEMM_STAGES
 
 
 def use_define(define: str) -> None:
     """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
-    QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them)."""
+    QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
+    QMM_GEMM_BLOCKS=n and QMM_GEMM_STAGES=n set the GEMM plan's qm.GEMM_RESIDENT and qm.GEMM_STAGES (shared
+    memory) to match (they take effect for weights prepared after this call)."""
     original = loader.module.__wrapped__
-    blocks = [int(d.split("=")[1]) for d in define.split("+") if d.startswith("QMM_M1_BLOCKS=")]
-    qm.RESIDENT_BLOCKS[1] = blocks[0] if blocks else M1_BLOCKS
+    value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
+    qm.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
+    qm.GEMM_RESIDENT = value.get("QMM_GEMM_BLOCKS", GEMM_BLOCKS)
+    qm.GEMM_STAGES = value.get("QMM_GEMM_STAGES", GEMM_STAGES)
 
     @functools.cache
     def module(family, cc):

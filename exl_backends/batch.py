@@ -32,6 +32,9 @@ class Batch:
     # when every sequence has the same number t > 1 of new tokens (speculative verify steps): each row's sequence,
     # int32 [T], so that attention can run short ones as decode rows with no host reads (and in a CUDA graph)
     row_seq: Tensor | None = None
+    # Batch.build's packed bytes on the host (see unpack), which tensor parallelism sends the other ranks without
+    # reading anything back from the GPU; None for batches made otherwise
+    host: Tensor | None = field(default=None, repr=False, compare=False)
     # index tensors that eager attention derives from the host lengths (a prefill's cache slots, the short rows of
     # a mixed step): every layer needs the same ones, so they are made once per batch (and per device: a copy of
     # the batch on another device starts empty)
@@ -62,15 +65,23 @@ class Batch:
         rows = [] if all_logits else [e - 1 for e in cu[1:]] if logit_rows is None else list(logit_rows)
         row_seq = uniform_row_seq(cu)
         device = torch.device(device)
-        longs, ints = ids + pos + slots + rows, cu + lens + tables + (row_seq or [])
-        buffer = upload(pack(longs, ints), device)
-        t, b, n_bytes = len(ids), len(chunks), 8 * len(longs)
-        input_ids, positions, slot_ids, wanted = buffer[:n_bytes].view(torch.int64).split_with_sizes(
-            [t, t, t, len(rows)])
-        cu_seqlens, seq_lens, block_tables, seqs = buffer[n_bytes:].view(torch.int32).split_with_sizes(
-            [b + 1, b, b * width, len(row_seq or [])])
+        host = pack(ids + pos + slots + rows, cu + lens + tables + (row_seq or []))
+        return cls.unpack(upload(host, device), len(ids), len(chunks), width, None if all_logits else len(rows),
+                          len(row_seq or []), page_size, (cu, lens), host)
+
+    @classmethod
+    def unpack(cls, data: Tensor, t: int, b: int, width: int, n_rows: int | None, n_row_seq: int, page_size: int,
+               host_lengths: tuple[list[int], list[int]], host: Tensor | None = None) -> "Batch":
+        """A batch of t tokens of b sequences whose index tensors are views of data (uint8): int64 input_ids,
+        positions, slots and n_rows logit rows (None: every row's logits, none stored), then int32 cu_seqlens,
+        seq_lens, block_tables [b, width] and row_seq (n_row_seq of them: 0 or t)."""
+        n_bytes = 8 * (3 * t + (n_rows or 0))
+        input_ids, positions, slot_ids, wanted = data[:n_bytes].view(torch.int64).split_with_sizes(
+            [t, t, t, n_rows or 0])
+        cu_seqlens, seq_lens, block_tables, seqs = data[n_bytes:].view(torch.int32).split_with_sizes(
+            [b + 1, b, b * width, n_row_seq])
         return cls(input_ids, positions, slot_ids, cu_seqlens, seq_lens, block_tables.view(b, width),
-                   None if all_logits else wanted, page_size, (cu, lens), None if row_seq is None else seqs)
+                   None if n_rows is None else wanted, page_size, host_lengths, seqs if n_row_seq else None, host)
 
     def lengths_on_host(self) -> tuple[list[int], list[int]]:
         """(cu_seqlens, seq_lens) as lists: build() keeps them; otherwise read from the device once (a sync)."""

@@ -57,6 +57,28 @@
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
 //   for the next launch.
 //
+// GEMM KERNELS  <fmt>_gemm, permute_x, gemm_reduce (LARGE_M <= M <= GEMM_MAX_M rows of x; NOTES-matmul.md v8)
+//   The lane layout's per-lane pairs are exactly the B fragments of m16n8k16 MMAs with x as A: pair (j, s, h) of
+//   lane 4g + q is B[k = 2q + 8h + e][n = g] of n8 tile j (strip columns 8j..8j+7) at k16 step s, MMA k 2q + 8h + e
+//   being chunk row 16s + 4q + 2h + e. So a warp decodes its strip's chunk straight into registers as
+//   fp16((code - z) * scale), the dequant kernel's own instructions (bit-identical weights), and multiplies it by up
+//   to GEMM_WARP_TILES m16 tiles of x (64 rows) from shared memory, accumulating in fp32: no W tile in shared memory.
+//   Block 256 = 8 warps = (8 / R) strips x R row groups (Params.row_groups: R = 1 up to 64 rows of x, 2 above).
+//   Block b of a part: column tile b % col_blocks (strips (8 / R) * that ..), M tile b / col_blocks % m_tiles,
+//   split b / col_blocks / m_tiles; an M tile is ceil(M16 / m_tiles) m16 tiles of x (M16 = ceil(M / 16)), split
+//   over its R row groups (at most 4 each, by the launcher's choice of R and m_tiles). Warps of strips past the
+//   part's last decode the last one (every warp takes part in the block's barriers) but write nothing.
+//   x: the part's x_i [M, K] in stored row order (permute_x made it, or x itself without a perm), 16-byte aligned;
+//   chunk by chunk into a ring of GEMM_STAGES slots of the M tile's rows x GEMM_XS halves (cp.async, rows past M
+//   zero), one __syncthreads per chunk. Dynamic shared memory: the split's chunk_meta entries, then the ring at
+//   Params.ring_smem. Dependent launch: weight and record prefetches and the chunk_meta copy before pdl_wait.
+//   n_splits == 1: y = acc (+ bias). Otherwise fp32 partials ws[(part.ws_offset + split * Np) * M + m * Np + col]
+//   (ws_offset: floats per x row before this part's), summed in split order by gemm_reduce (grid (ceil(M Np / 2 /
+//   256), parts), one column pair per thread), which adds the bias: the "last block reduces" scheme of the small-M
+//   kernels would leave one block reading splits x 64 x 256 x 4 bytes alone.
+//   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k'] = x[m][perm_i[k']] (a copy for
+//   a part without a perm), through the row in shared memory (coalesced reads and writes).
+//
 // DEQUANT KERNELS  <fmt>_dequant
 //   Same Params (one part, its own plan), block 256, static shared memory 20 KB. Warp w of block b decodes its
 //   strip over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference), stages each
@@ -81,6 +103,15 @@ constexpr int STAGE_LOADS = 8;           // gathers of x per thread per x row in
 constexpr int STAGE_ROWS = 4;            // x rows staged together (M8/M16): STAGE_ROWS * STAGE_LOADS gathers in flight
 constexpr int REDUCE_LOADS = 16;         // split partials per lane in flight in the final reduction (M1)
 constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), REDUCE_LOADS / 2 splits of each
+#ifndef QMM_GEMM_STAGES                    // benchmarks/tune_matmul.py times other values (also QMM_GEMM_BATCH,
+#define QMM_GEMM_STAGES 4                  // QMM_GEMM_BLOCKS below)
+#endif
+#ifndef QMM_GEMM_BATCH                     // chunks a GEMM warp loads per batch: 1 fits 2 blocks per SM (2: ~16 more
+#define QMM_GEMM_BATCH 1                   // registers, spills at 128)
+#endif
+constexpr int GEMM_STAGES = QMM_GEMM_STAGES;   // x chunks in flight in a GEMM block's ring (quant_matmul.GEMM_STAGES)
+constexpr int GEMM_XS = 48;              // halves per x row of a ring slot: 32 + 16 pad (quant_matmul.GEMM_XS)
+constexpr int GEMM_WARP_TILES = 4;       // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS = 64)
 
 // ------------------------------------------------------------------------------------------- pair layout
 
@@ -173,6 +204,8 @@ struct Params {
     int xs_stride;               // halves per row of the x tile
     int meta_smem;               // byte offset of the chunk_meta copy in dynamic shared memory
     int corr_smem;               // byte offset of the folded chunks' corrections (float2 [chunk][M])
+    int row_groups, m_tiles;     // GEMM: warps per strip (R) and M tiles of a launch
+    int ring_smem;               // GEMM: byte offset of the x ring in dynamic shared memory
 };
 
 EXL_HD constexpr int width_of(int i) { return i == 0 ? 8 : i == 1 ? 6 : i == 2 ? 5 : i == 3 ? 4 : i == 4 ? 3 : 2; }
@@ -418,7 +451,8 @@ struct Batch {
     }
 };
 
-// One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks, then the run's last ones.
+// One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks (Sink::BATCH if set), then the
+// run's last ones.
 // Sinks with PIPELINE (the M1 matmul) issue the next batch's loads before consuming the current one, so a warp's
 // demand loads stay in flight while it computes (the registers this takes cost one resident block per SM, and
 // still measured 5-38 % faster at M = 1: NOTES-matmul.md v6).
@@ -426,7 +460,7 @@ template <int B, class Fmt, class Sink>
 __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
                                          unsigned off, int c, int end, int lane, Sink& sink)
 {
-    constexpr int U = batch<B>(), BYTES = 128 * B;
+    constexpr int U = Sink::BATCH > 0 ? Sink::BATCH : batch<B>(), BYTES = 128 * B;
     if constexpr (Sink::PIPELINE) {
         if (c + U <= end) {
             Batch<U, B, Fmt> now;
@@ -501,6 +535,7 @@ __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta,
 template <class Fmt, int N8, bool M1>
 struct MatmulSink {
     static constexpr bool PIPELINE = M1;
+    static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
     // B fragments come from x row min(g, M-1) (+ tile1 for row min(8+g, M-1)), columns 4q.. of the current chunk.
     // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
     const half* xc;
@@ -824,6 +859,7 @@ __device__ __forceinline__ void moe_matmul(const Params* experts, const int* off
 template <class Fmt>
 struct DequantSink {
     static constexpr bool PIPELINE = false;
+    static constexpr int BATCH = 0;
     half* tile;              // this warp's 32 x TILE_STRIDE halves
     half* w_out;
     const int* perm;
@@ -883,6 +919,243 @@ __device__ __forceinline__ void dequant(const Params& p, half* w_out)
     walk<Fmt>(pt, strip, split, pt.chunk_meta + pt.split_chunk[split], st, lane, sink);   // chunk_meta via L1
 }
 
+
+// ------------------------------------------------------------------------------------------- GEMM
+
+__device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// 16 bytes from global to shared memory without waiting (sm_80+: cp.async, L2 only); !valid: zeros. Before sm_80 a
+// plain copy (the wait and commit below are then no-ops, and the block barrier orders it).
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid)
+{
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0) : "memory");
+#else
+    *static_cast<uint4*>(dst) = valid ? *static_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit()
+{
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copy_async_wait()
+{
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Columns col, col + 1 of row m of y [M, n] (those < n), as one 4-byte store where aligned.
+__device__ __forceinline__ void store_pair(half* y, int n, int m, int col, float v0, float v1)
+{
+    half* out = y + (size_t)m * n + col;
+    if (col + 1 < n && n % 2 == 0) {
+        *reinterpret_cast<half2*>(out) = __floats2half2_rn(v0, v1);
+    } else {
+        if (col < n) out[0] = __float2half_rn(v0);
+        if (col + 1 < n) out[1] = __float2half_rn(v1);
+    }
+}
+
+// A GEMM block's place (GEMM KERNELS above): its column tile, M tile and split, and its warp's strip and m16 tiles.
+struct GemmTile {
+    int split;
+    int strip;               // the warp's strip, clamped to the part's last
+    bool writes;             // the warp's own strip exists
+    int row0, rows;          // the block's x rows [row0, row0 + rows): whole m16 tiles, those >= M zero-filled
+    int warp_row0, tiles;    // the warp's first x row and its m16 tiles (0..GEMM_WARP_TILES)
+
+    __device__ GemmTile(const Params& p, const Part& pt, int local, int M, int warp)
+    {
+        const int R = p.row_groups, strips_per_block = WARPS / R;
+        const int col_tile = local % pt.col_blocks, rest = local / pt.col_blocks;
+        const int m_tile = rest % p.m_tiles;
+        split = rest / p.m_tiles;
+        const int own = col_tile * strips_per_block + warp % strips_per_block;
+        writes = own < pt.strips;
+        strip = min(own, pt.strips - 1);
+        const int m16 = (M + 15) / 16, per_tile = (m16 + p.m_tiles - 1) / p.m_tiles;
+        const int t0 = min(m16, m_tile * per_tile), t1 = min(m16, t0 + per_tile);
+        const int per_warp = (per_tile + R - 1) / R;
+        const int w0 = min(t1, t0 + warp / strips_per_block * per_warp);
+        row0 = 16 * t0;
+        rows = 16 * (t1 - t0);
+        warp_row0 = 16 * w0;
+        tiles = min(per_warp, t1 - w0);
+    }
+};
+
+// Multiplies x's rows of the block by the warp's strip, chunk by chunk (walk), staging x through the ring: chunk
+// number k of the split is in slot k % GEMM_STAGES; before computing chunk k every thread waits for its own copies
+// of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
+template <class Fmt>
+struct GemmSink {
+    static constexpr bool PIPELINE = false;
+    static constexpr int BATCH = QMM_GEMM_BATCH;     // chunks per batch (walk_run)
+    half* ring;
+    int slot_halves;
+    const half* x;           // [M, K], stored row order
+    int K, M, row0, rows, c0, c1;
+    int a_offset;            // halves from a slot's start to the lane's A rows: warp row + g, chunk column 4q
+    int tiles;
+    int k = 0;               // chunks consumed
+    int group = -1;
+    typename Fmt::State st;
+    half2 scale[4];          // (s, s) of column col(j) of the current group
+    float acc[GEMM_WARP_TILES][4][4] = {};    // [m16 tile i][n8 tile j]: rows 16i + g (+8), columns 8j + 2q (+1)
+
+    // Chunk c0 + n into its slot (if the split has it): one commit group per call, also when empty.
+    __device__ void stage(int n)
+    {
+        if (c0 + n < c1) {
+            half* slot = ring + (n % GEMM_STAGES) * slot_halves;
+            const int col = 32 * (c0 + n);
+            for (int i = threadIdx.x; i < rows * 4; i += THREADS) {
+                const int r = i / 4, seg = i % 4, m = row0 + r;
+                copy_async16(slot + r * GEMM_XS + 8 * seg, x + (size_t)min(m, M - 1) * K + col + 8 * seg, m < M);
+            }
+        }
+        copy_async_commit();
+    }
+
+    template <int B>
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int)
+    {
+        if (group_key != group) {
+            Fmt::template enter<B>(raw, threadIdx.x % 32 / 4, st);
+            scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
+            scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
+            group = group_key;
+        }
+        half2 b[16];
+        decode_pairs<B, Fmt>(w, st, b);
+#pragma unroll
+        for (int p = 0; p < 16; ++p) b[p] = __hmul2(b[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
+        copy_async_wait<GEMM_STAGES - 2>();
+        __syncthreads();
+        stage(k + GEMM_STAGES - 1);
+        const half* xs = ring + (k % GEMM_STAGES) * slot_halves + a_offset;
+        ++k;
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int i = 0; i < GEMM_WARP_TILES; ++i)
+                if (i < tiles) {
+                    const uint2 lo = *reinterpret_cast<const uint2*>(xs + 16 * i * GEMM_XS + 16 * s);       // row g
+                    const uint2 hi = *reinterpret_cast<const uint2*>(xs + (16 * i + 8) * GEMM_XS + 16 * s); // g + 8
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        mma_16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, as_bits(b[4 * j + 2 * s]),
+                                  as_bits(b[4 * j + 2 * s + 1]));
+                }
+    }
+};
+
+// Block `local` of part pt: y [M, pt.n] (+ bias) = x [M, K] (stored order) @ W^T, or its split's fp32 partials to
+// ws (this part's, [n_splits][M][Np]).
+template <class Fmt>
+__device__ __forceinline__ void gemm_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
+                                          float* ws)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    int2* meta_s = reinterpret_cast<int2*>(smem);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const GemmTile tile(p, pt, local, M, warp);
+    const int c0 = pt.split_chunk[tile.split], c1 = pt.split_chunk[tile.split + 1];
+
+    Stream st;                                         // DRAM reads first (weights only)
+    start_stream(st, pt, tile.strip, tile.split, lane);
+    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);
+    pdl_wait();                                        // x and ws belong to earlier kernels
+
+    GemmSink<Fmt> sink;
+    sink.ring = reinterpret_cast<half*>(smem + p.ring_smem);
+    sink.slot_halves = 64 * p.row_groups * GEMM_XS;
+    sink.x = x;
+    sink.K = p.K; sink.M = M; sink.row0 = tile.row0; sink.rows = tile.rows; sink.c0 = c0; sink.c1 = c1;
+    sink.a_offset = (tile.warp_row0 - tile.row0 + g) * GEMM_XS + 4 * q;
+    sink.tiles = tile.tiles;
+#pragma unroll
+    for (int n = 0; n < GEMM_STAGES - 1; ++n) sink.stage(n);
+    __syncthreads();                                   // meta_s
+    walk<Fmt>(pt, tile.strip, tile.split, meta_s, st, lane, sink);
+    copy_async_wait<0>();
+    if (!tile.writes) return;
+
+    const int N = pt.n, Np = pt.np;
+    float* part = pt.n_splits > 1 ? ws + (size_t)tile.split * M * Np : nullptr;
+#pragma unroll
+    for (int i = 0; i < GEMM_WARP_TILES; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = tile.warp_row0 + 16 * i + g + 8 * e, col = tile.strip * 32 + 8 * j + 2 * q;
+                if (i >= tile.tiles || m >= M) continue;
+                const float v0 = sink.acc[i][j][2 * e], v1 = sink.acc[i][j][2 * e + 1];
+                if (part)
+                    *reinterpret_cast<float2*>(part + (size_t)m * Np + col) = make_float2(v0, v1);
+                else
+                    store_pair(y, N, m, col, v0 + (col < N ? bias_at(pt.bias, col) : 0.f),
+                               v1 + (col + 1 < N ? bias_at(pt.bias, col + 1) : 0.f));
+            }
+}
+
+template <class Fmt>
+__device__ __forceinline__ void gemm(const Params& p, int M, const half* x0, const half* x1, const half* x2,
+                                     half* y0, half* y1, half* y2, float* ws)
+{
+    const int pi = part_of(p, blockIdx.x);
+    const Part& pt = p.part[pi];
+    gemm_part<Fmt>(p, pt, blockIdx.x - pt.block0, M, pi == 0 ? x0 : pi == 1 ? x1 : x2,
+                   pi == 0 ? y0 : pi == 1 ? y1 : y2, ws ? ws + (size_t)pt.ws_offset * M : ws);
+}
+
+// Part blockIdx.y's split partials of the GEMM summed in split order (deterministic), plus bias, into y.
+__device__ __forceinline__ void gemm_reduce(const Params& p, int M, half* y0, half* y1, half* y2, const float* ws)
+{
+    pdl_wait();                                        // ws is the GEMM's, just before
+    const int pi = blockIdx.y;
+    const Part& pt = p.part[pi];
+    const int pairs = pt.np / 2, idx = blockIdx.x * THREADS + threadIdx.x;
+    if (pt.n_splits == 1 || idx >= M * pairs) return;
+    const int m = idx / pairs, col = 2 * (idx % pairs);
+    if (col >= pt.n) return;
+    const float* part = ws + (size_t)pt.ws_offset * M + (size_t)m * pt.np + col;
+    float2 sum = make_float2(0.f, 0.f);
+#pragma unroll 8
+    for (int s = 0; s < pt.n_splits; ++s) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(part + (size_t)s * M * pt.np));
+        sum.x += v.x;
+        sum.y += v.y;
+    }
+    store_pair(pi == 0 ? y0 : pi == 1 ? y1 : y2, pt.n, m, col, sum.x + bias_at(pt.bias, col),
+               sum.y + (col + 1 < pt.n ? bias_at(pt.bias, col + 1) : 0.f));
+}
+
+// Row blockIdx.x of x [M, K] in part blockIdx.y's stored row order: xp[part][m][k'] = x[m][perm[k']].
+__device__ __forceinline__ void permute_x(const Params& p, int M, const half* x, half* xp)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    half* row = reinterpret_cast<half*>(smem);
+    const int K = p.K, m = blockIdx.x;
+    const int* perm = p.part[blockIdx.y].perm;
+    pdl_wait();                                        // x is an earlier kernel's
+    const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K);
+    for (int i = threadIdx.x; i < K / 8; i += THREADS) reinterpret_cast<uint4*>(row)[i] = __ldg(src + i);
+    __syncthreads();
+    half* out = xp + ((size_t)blockIdx.y * M + m) * K;
+    for (int k = threadIdx.x; k < K; k += THREADS) out[k] = row[perm ? __ldg(perm + k) : k];
+}
+
 }  // namespace qmm
 
 // ------------------------------------------------------------------------------------------- entry points
@@ -936,3 +1209,38 @@ QMM_MOE(gptq_moe_m16, qmm::Gptq, 2, false, 2)
 
 QMM_DEQUANT(exl2_dequant, qmm::Exl2)
 QMM_DEQUANT(gptq_dequant, qmm::Gptq)
+
+// GEMM (qmm::gemm, GEMM KERNELS above): grid (the parts' blocks), block 256, dynamic shared memory as the plan says.
+// M: rows of x; x_i: part i's x [M, K] in its stored row order; ws: split partials (fp32), or null without splits.
+// QMM_GEMM_BLOCKS: blocks per SM (quant_matmul.GEMM_RESIDENT); at 2, 128 registers with a few bytes of spills
+// (EXL2 12, GPTQ 60 on sm_90), at 1 ~185 registers without.
+#ifndef QMM_GEMM_BLOCKS
+#define QMM_GEMM_BLOCKS 2
+#endif
+#define QMM_GEMM(NAME, FMT)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, QMM_GEMM_BLOCKS)                                        \
+    NAME(const __grid_constant__ qmm::Params p, int M, const half* x0, const half* x1, const half* x2, half* y0,     \
+         half* y1, half* y2, float* ws)                                                                                \
+    {                                                                                                                  \
+        exl::pdl_trigger();                                                                                           \
+        qmm::gemm<FMT>(p, M, x0, x1, x2, y0, y1, y2, ws);                                                              \
+    }
+
+QMM_GEMM(exl2_gemm, qmm::Exl2)
+QMM_GEMM(gptq_gemm, qmm::Gptq)
+
+// grid (ceil(M * max Np / 512), parts), block 256: the GEMM's split partials summed into y (qmm::gemm_reduce).
+extern "C" __global__ void __launch_bounds__(qmm::THREADS)
+gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, half* y2, const float* ws)
+{
+    exl::pdl_trigger();
+    qmm::gemm_reduce(p, M, y0, y1, y2, ws);
+}
+
+// grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
+extern "C" __global__ void __launch_bounds__(qmm::THREADS)
+permute_x(const __grid_constant__ qmm::Params p, int M, const half* x, half* xp)
+{
+    exl::pdl_trigger();
+    qmm::permute_x(p, M, x, xp);
+}

@@ -4,11 +4,14 @@
 the top of quant_matmul.cu and built here by plain torch functions, which run and are tested on CPU too), plans how
 each launch cuts K, and returns the forward. `fuse(kernels)` joins forwards that share x (q/k/v, gate/up) into one
 that runs them in one launch per pass. Per call the forward only allocates its outputs (and, for split K with more
-than one row of x, an fp32 partial-sum buffer) through torch's caching allocator and launches: no host sync,
-nothing compiled or queried, so a warmed-up forward can be captured in a CUDA graph.
+than one row of x, an fp32 partial-sum buffer; the GEMM also x in stored row order) through torch's caching
+allocator and launches: no host sync, nothing compiled or queried, so a warmed-up forward can be captured in a CUDA
+graph.
 
-Up to LARGE_M rows of x, the small-M kernel reads each packed word once per 16 rows of x; from LARGE_M rows on,
-the weight is dequantized to an fp16 scratch (bit-exact with the reference) and multiplied by cuBLAS."""
+Below LARGE_M rows of x, the small-M kernel reads each packed word once per 16 rows of x; from LARGE_M to GEMM_MAX_M
+rows the tiled GEMM reads and decodes it once per M tile (up to 128 rows) and multiplies on tensor cores; above that
+the weight is dequantized to an fp16 scratch (bit-exact with the reference) and multiplied by cuBLAS. The path is
+chosen per call from the number of rows alone."""
 from __future__ import annotations
 
 import bisect
@@ -36,13 +39,31 @@ MAX_PARTS = 3                   # weights per launch (quant_matmul.cu MAX_PARTS)
 MAX_SPLITS = 64                 # K splits of one part (quant_matmul.cu MAX_SPLITS)
 
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
-# From this many rows of x on, dequantize + cuBLAS. A small-M pass reads the packed weight once per 16 rows
-# (~b/8 bytes per weight, 0.5 at 4 bpw); the dequant path reads it once, writes and re-reads 2 bytes per weight
-# (~4.5 bytes at 4 bpw) and then runs at cuBLAS speed. The byte counts cross near 8 passes; per-pass overheads
-# (gathering x, MMA issue) pull that down: on the H200 (bench_matmul.py, 4096 x 14336 at 4.0 bpw) a 16-row pass
-# took 41 us and dequant + cuBLAS 82 us for any M up to 64, so they tied at 2 passes. (Since kernel v5 a pass takes
-# 35 us: 32 rows would now be faster in two passes, not yet measured in whole engine steps.)
-LARGE_M = 32
+# From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
+# A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
+# every count that would need a second pass: 17..32 rows cost two passes (~2 x 35 us at 4096 x 14336, 4.0 bpw)
+# against a GEMM roofline of the weight read (~7 us). (Before the GEMM, LARGE_M was 32 and the rows from there went
+# to dequant + cuBLAS, 82 us for any M up to 64: NOTES-matmul.md.) Measured at 4096 x 14336: 24 rows 41 us (two
+# passes 63), 32 rows 42 (76); at 16 rows the GEMM was faster on 3 of 4 shapes too (4096 x 4096 20 vs 28 us, but
+# 4096 x 14336 40 vs 38), not yet tried in whole steps.
+LARGE_M = 17
+# Up to this many rows the tiled GEMM; above, dequantize + cuBLAS. Measured (H200, bench_matmul.py --gemm, 4.0 bpw,
+# us GEMM / dequant + cuBLAS): 64 rows 49 / 85 at 4096 x 14336, 55 / 87 at 14336 x 4096, 24 / 25 at 4096 x 4096;
+# 128 rows 90 / 86, 88 / 89, 33 / 30; 208 rows 157 / 90 (the GEMM runs mma.sync at ~150-190 TFLOP/s): the
+# crossover lies between 64 and 128.
+GEMM_MAX_M = 96
+GEMM_ROWS_LIMIT = 512           # the most rows QuantMatmul._gemm is planned for (benchmarks time past GEMM_MAX_M)
+GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (quant_matmul.cu GEMM_WARP_TILES m16 tiles)
+# Warps per strip above GEMM_WARP_ROWS rows: 2 gives blocks of 128 columns x 128 rows (each weight decoded by both
+# warps of its strip), 1 blocks of 256 columns x 64 rows (half the x read from L2 per FLOP, M tiles of 64 rows):
+# tune_matmul.py --set GEMM_ROW_GROUPS=1,GEMM_ROW_GROUPS=2 compares
+GEMM_ROW_GROUPS = 2
+GEMM_STAGES = 4                 # x chunks in flight per GEMM block (quant_matmul.cu GEMM_STAGES)
+GEMM_XS = 48                    # halves per x row of a ring slot (quant_matmul.cu GEMM_XS)
+# GEMM blocks per SM (launch bounds QMM_GEMM_BLOCKS: 128 registers, a few bytes of spills; at 1 block ~185 without:
+# tune_matmul.py --defines QMM_GEMM_BLOCKS=1 compares); K is split until a launch fills one wave of them
+GEMM_RESIDENT = 2
+GEMM_MIN_CHUNKS = 8             # chunks per split at least: fewer would not fill the ring's pipeline
 RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
@@ -69,6 +90,7 @@ MATMUL_KERNELS = {   # (format, rows-of-x class) -> entry point of quant_matmul.
     (Format.GPTQ, 1): "gptq_matmul_m1", (Format.GPTQ, 8): "gptq_matmul_m8", (Format.GPTQ, 16): "gptq_matmul_m16",
 }
 DEQUANT_KERNELS = {Format.EXL2: "exl2_dequant", Format.GPTQ: "gptq_dequant"}
+GEMM_KERNELS = {Format.EXL2: "exl2_gemm", Format.GPTQ: "gptq_gemm"}
 MOE_KERNELS = {   # (format, rows per pass) -> MoE entry point of quant_matmul.cu (qmm::moe_matmul)
     (Format.EXL2, 1): "exl2_moe_m1", (Format.EXL2, 16): "exl2_moe_m16",
     (Format.GPTQ, 1): "gptq_moe_m1", (Format.GPTQ, 16): "gptq_moe_m16",
@@ -85,7 +107,8 @@ PART_DTYPE = np.dtype([
     ("split_chunk", np.int16, (MAX_SPLITS + 1,)), ("split_group", np.int16, (MAX_SPLITS + 1,))], align=True)
 PARAMS_DTYPE = np.dtype([("part", PART_DTYPE, (MAX_PARTS,)), ("n_parts", np.int32), ("M", np.int32),
                          ("K", np.int32), ("xs_stride", np.int32), ("meta_smem", np.int32),
-                         ("corr_smem", np.int32)], align=True)
+                         ("corr_smem", np.int32), ("row_groups", np.int32), ("m_tiles", np.int32),
+                         ("ring_smem", np.int32)], align=True)
 
 
 # ----------------------------------------------------------------------------------------------- lane layout
@@ -337,7 +360,7 @@ class Plan:
     blocks: int
     smem: int
     params: np.ndarray       # 0-d PARAMS_DTYPE
-    ws_floats: int           # fp32 split partials the launch needs (0: none)
+    ws_floats: int           # fp32 split partials the launch needs (0: none); GEMM plans: per row of x
 
     def arg(self) -> np.ndarray:
         """The Params as a kernel argument (the loader passes the struct's bytes by value)."""
@@ -351,13 +374,30 @@ def _ptr(t: Tensor | None) -> int:
 def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor],
               splits: list[int], rows: int) -> Plan:
     p = np.zeros((), PARAMS_DTYPE)
+    block0, ws, starts_all = _fill_parts(p, layouts, biases, counters, splits, WARPS, 1, rows)
+    p["n_parts"], p["M"], p["K"] = len(layouts), rows, layouts[0].k
+    smem = 0
+    if rows:                                  # the part with the longest split sets both sizes (_tile_bytes)
+        p["xs_stride"] = max(x_tile(s, rows)[0] for s in starts_all)
+        p["meta_smem"] = -(-rows * int(p["xs_stride"]) * 2 // 16) * 16
+        chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
+        p["corr_smem"] = int(p["meta_smem"]) + 8 * chunks
+        smem = int(p["corr_smem"]) + 8 * chunks * rows
+    return Plan(kernel, block0, smem, p, ws)
+
+
+def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor | None],
+                splits: list[int], strips_per_block: int, m_tiles: int, ws_rows: int) -> tuple[int, int, list]:
+    """The parts of Params p: pointers, shapes, split tables; part i's blocks are col_blocks * m_tiles * splits
+    (column tiles of strips_per_block strips) from block0, its partials n_splits * ws_rows * np floats from
+    ws_offset. Returns (blocks, ws floats, each part's split starts)."""
     part = p["part"]
     block0 = ws = 0
     starts_all = []
     for i, (lay, bias, cnt, n) in enumerate(zip(layouts, biases, counters, splits)):
         starts = split_starts(lay.chunk_bits, n)
         starts_all.append(starts)
-        col_blocks = -(-lay.strips // WARPS)
+        col_blocks = -(-lay.strips // strips_per_block)
         for name, value in (("qw", _ptr(lay.words)), ("chunk_meta", _ptr(lay.chunk_meta)), ("meta0", _ptr(lay.meta0)),
                             ("meta1", _ptr(lay.meta1)), ("perm", _ptr(lay.perm)), ("bias", _ptr(bias)),
                             ("counters", _ptr(cnt)), ("n", lay.n), ("np", lay.np_), ("strips", lay.strips),
@@ -370,17 +410,9 @@ def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None
         part["split_word"][i, :n + 1] = words[starts]
         part["split_chunk"][i, :n + 1] = starts
         part["split_group"][i, :n + 1] = [lay.chunk_group[min(c, len(lay.chunk_group) - 1)] for c in starts]
-        block0 += col_blocks * n
-        ws += n * rows * lay.np_ if n > 1 else 0
-    p["n_parts"], p["M"], p["K"] = len(layouts), rows, layouts[0].k
-    smem = 0
-    if rows:                                  # the part with the longest split sets both sizes (_tile_bytes)
-        p["xs_stride"] = max(x_tile(s, rows)[0] for s in starts_all)
-        p["meta_smem"] = -(-rows * int(p["xs_stride"]) * 2 // 16) * 16
-        chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
-        p["corr_smem"] = int(p["meta_smem"]) + 8 * chunks
-        smem = int(p["corr_smem"]) + 8 * chunks * rows
-    return Plan(kernel, block0, smem, p, ws)
+        block0 += col_blocks * m_tiles * n
+        ws += n * ws_rows * lay.np_ if n > 1 else 0
+    return block0, ws, starts_all
 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
@@ -389,6 +421,33 @@ def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters:
     rows_class = 1 if rows == 1 else 8 if rows <= 8 else 16
     splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[rows_class] * n_sm, rows)
     return make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class], layouts, biases, counters, splits, rows)
+
+
+def gemm_shape(rows: int) -> tuple[int, int]:
+    """(row groups R, M tiles) of the GEMM for `rows` rows of x: a block is 8 / R strips x R * GEMM_WARP_ROWS rows;
+    one warp per strip (R = 1) while the rows fit one warp, else GEMM_ROW_GROUPS, the rows then cut into M tiles of
+    at most R * GEMM_WARP_ROWS. Every warp gets at most GEMM_WARP_ROWS rows (ceil(M16 / m_tiles) m16 tiles over R
+    warps)."""
+    groups = 1 if rows <= GEMM_WARP_ROWS else GEMM_ROW_GROUPS
+    return groups, -(-rows // (GEMM_WARP_ROWS * groups))
+
+
+def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tuple[int, int], n_sm: int) -> Plan:
+    """The GEMM launch for a (row groups, M tiles) shape: K split into as many parts as fit one wave of
+    GEMM_RESIDENT blocks per SM (within GEMM_MIN_CHUNKS chunks per split and MAX_SPLITS). ws_floats is per row of
+    x."""
+    groups, m_tiles = shape
+    tiles = sum(-(-lay.strips // (WARPS // groups)) * m_tiles for lay in layouts)
+    want = GEMM_RESIDENT * n_sm // tiles           # rounded down: a second, nearly empty wave costs a whole one
+    splits = [max(1, min(want, len(lay.chunk_bits) // GEMM_MIN_CHUNKS, MAX_SPLITS)) for lay in layouts]
+    p = np.zeros((), PARAMS_DTYPE)
+    blocks, ws, starts_all = _fill_parts(p, layouts, biases, [None] * len(layouts), splits, WARPS // groups, m_tiles,
+                                         1)
+    p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, groups, m_tiles
+    chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
+    p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
+    smem = int(p["ring_smem"]) + GEMM_STAGES * GEMM_WARP_ROWS * groups * GEMM_XS * 2
+    return Plan(GEMM_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
 
 def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
@@ -416,6 +475,8 @@ class QuantMatmul:
                       for rows in range(1, ROWS_PER_PASS + 1)}
         self.args = {rows: plan.arg() for rows, plan in self.plans.items()}
         self.dequant_plans = [plan_dequant(lay, n_sm) for lay in layouts]
+        shapes = {gemm_shape(rows) for rows in range(LARGE_M, GEMM_ROWS_LIMIT + 1)}
+        self.gemm_plans = {shape: plan_gemm(layouts, self.biases, shape, n_sm) for shape in shapes}
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -430,8 +491,14 @@ class QuantMatmul:
                               f"with dtype=torch.float16")
         lead = x.shape[:-1]
         x = x.reshape(-1, self.layouts[0].k).contiguous()
-        ys = self._dequant_matmul(x) if x.shape[0] >= LARGE_M else self._small(x)
+        ys = self._path(x.shape[0])(x)
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
+
+    def _path(self, rows: int):
+        """The method that multiplies `rows` rows of x (LARGE_M, GEMM_MAX_M)."""
+        if rows < LARGE_M:
+            return self._small
+        return self._gemm if rows <= GEMM_MAX_M else self._dequant_matmul
 
     def _small(self, x: Tensor) -> list[Tensor]:
         m = x.shape[0]
@@ -453,6 +520,36 @@ class QuantMatmul:
         if self.ws1 is None:
             self.ws1 = torch.empty(plan.ws_floats, dtype=torch.float32, device=device)
         return self.ws1
+
+    def _gemm(self, x: Tensor) -> list[Tensor]:
+        """The tiled GEMM (quant_matmul.cu GEMM KERNELS), for up to GEMM_ROWS_LIMIT rows; its split partials, if
+        any, summed by a second launch."""
+        m = x.shape[0]
+        plan = self.gemm_plans[gemm_shape(m)]
+        xs = self._stored_order(x, plan)
+        ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
+        nulls = (None,) * (MAX_PARTS - len(ys))
+        ws = torch.empty(plan.ws_floats * m, dtype=torch.float32, device=x.device) if plan.ws_floats else None
+        launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
+               args=(plan.arg(), m, *xs, *nulls, *ys, *nulls, ws), shared_mem=plan.smem)
+        if ws is not None:
+            pairs = m * max(lay.np_ for lay in self.layouts) // 2
+            launch("quant_matmul", "gemm_reduce", grid=(-(-pairs // THREADS), len(ys)), block=(THREADS,),
+                   args=(plan.arg(), m, *ys, *nulls, ws))
+        return ys
+
+    def _stored_order(self, x: Tensor, plan: Plan) -> list[Tensor]:
+        """x [M, K] in each part's stored row order, 16-byte aligned (the GEMM copies 16 bytes at a time): x itself
+        when no part has a permutation, else permute_x's copies [parts, M, K]."""
+        if x.data_ptr() % 16:
+            x = x.clone()
+        if all(lay.perm is None for lay in self.layouts):
+            return [x] * len(self.layouts)
+        m, k = x.shape
+        xp = torch.empty(len(self.layouts), m, k, dtype=torch.float16, device=x.device)
+        launch("quant_matmul", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,), args=(plan.arg(), m, x, xp),
+               shared_mem=2 * k)
+        return list(xp)
 
     def _dequant_matmul(self, x: Tensor) -> list[Tensor]:
         ys = []

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import formats, model
-from ..batch import Batch, uniform_row_seq, upload
+from ..batch import Batch, upload
 from ..cache import CACHE_MODES, KVCache, check_mode
 from ..config import ModelConfig
 from ..errors import ConfigError, OutOfMemoryPlanError
@@ -35,14 +35,14 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 FORWARD, REPLAY, STOP = 1, 2, 3
 # the header: command; the cache (id, pages, page size, mode); the batch (tokens, sequences, page-table width,
-# logit rows or -1: all); how many freed cache ids follow the batch; for REPLAY the graph (batch size, tokens per
-# sequence, page-table width, trash page)
-HEADER = 14
+# logit rows or -1: all, row_seq entries); how many freed cache ids come before the batch; for REPLAY the graph
+# (batch size, tokens per sequence, page-table width, trash page)
+HEADER = 15
 MODES = list(CACHE_MODES)
 
 
 class Channel:
-    """Rank 0 -> every rank: a fixed-size int64 header, then an int64 payload, broadcast over a gloo group (the
+    """Rank 0 -> every rank: a fixed-size int64 header, then a byte payload, broadcast over a gloo group (the
     followers wait on the CPU, however long rank 0 is idle)."""
 
     def __init__(self, group):
@@ -51,43 +51,39 @@ class Channel:
     def send(self, header: list[int], payload: Tensor) -> None:
         dist.broadcast(torch.tensor(header, dtype=torch.int64), 0, group=self.group)
         if payload.numel():
-            dist.broadcast(payload.cpu(), 0, group=self.group)
+            dist.broadcast(payload, 0, group=self.group)
 
     def receive(self) -> tuple[list[int], Tensor]:
         header = torch.empty(HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
         h = header.tolist()
-        payload = torch.empty(_payload_size(h), dtype=torch.int64)
+        payload = torch.empty(_payload_size(h), dtype=torch.uint8)
         if payload.numel():
             dist.broadcast(payload, 0, group=self.group)
         return h, payload
 
 
 def _payload_size(h: list[int]) -> int:
-    cmd, _, _, _, _, t, b, width, rows, freed = h[:10]
-    return 0 if cmd == STOP else 3 * t + 2 * b + 1 + b * width + max(rows, 0) + freed
+    cmd, _, _, _, _, t, b, width, rows, freed, n_row_seq = h[:11]
+    return 0 if cmd == STOP else 8 * (freed + 3 * t + max(rows, 0)) + 4 * (2 * b + 1 + b * width + n_row_seq)
 
 
 def _pack(batch: Batch, freed: list[int]) -> Tensor:
-    parts = [batch.input_ids, batch.positions, batch.slots, batch.cu_seqlens, batch.seq_lens,
-             batch.block_tables.flatten()]
-    if batch.logit_rows is not None:
-        parts.append(batch.logit_rows)
-    packed = torch.cat([p.to(torch.int64) for p in parts]).cpu()          # one copy to the host
-    return torch.cat([packed, torch.tensor(freed, dtype=torch.int64)])
+    """The freed cache ids (int64), then the batch's bytes as Batch.build packed them on the host: nothing is
+    read back from the GPU, so announcing a step does not wait for the one before."""
+    if batch.host is None:
+        raise ValueError("a batch announced to the other ranks must come from Batch.build (its host bytes)")
+    return torch.cat([torch.tensor(freed, dtype=torch.int64).view(torch.uint8), batch.host])
 
 
 def _unpack(h: list[int], payload: Tensor, device: torch.device) -> tuple[Batch, list[int]]:
-    _, _, _, page_size, _, t, b, width, rows, freed = h[:10]
-    sizes = [t, t, t, b + 1, b, b * width, max(rows, 0)]
-    inputs, free = payload.split([sum(sizes), freed])
-    host_cu, host_lens = inputs[3 * t:3 * t + b + 1].tolist(), inputs[3 * t + b + 1:3 * t + 2 * b + 1].tolist()
-    row_seq = uniform_row_seq(host_cu)
-    ids, pos, slots, cu, lens, tables, logit_rows = inputs.to(device).split(sizes)      # one copy over
-    batch = Batch(ids, pos, slots, cu.to(torch.int32), lens.to(torch.int32), tables.view(b, width).to(torch.int32),
-                  None if rows < 0 else logit_rows, page_size, (host_cu, host_lens),
-                  None if row_seq is None else upload(torch.tensor(row_seq, dtype=torch.int32), device))
-    return batch, free.tolist()
+    _, _, _, page_size, _, t, b, width, rows, freed, n_row_seq = h[:11]
+    free, data = payload.split([8 * freed, payload.numel() - 8 * freed])
+    ints = data[8 * (3 * t + max(rows, 0)):].view(torch.int32)
+    host_lengths = (ints[:b + 1].tolist(), ints[b + 1:2 * b + 1].tolist())
+    batch = Batch.unpack(upload(data, device), t, b, width, None if rows < 0 else rows, n_row_seq, page_size,
+                         host_lengths)
+    return batch, free.view(torch.int64).tolist()
 
 
 class TensorParallelModel:
@@ -127,7 +123,7 @@ class TensorParallelModel:
         rows = -1 if batch.logit_rows is None else batch.logit_rows.numel()
         header = [FORWARD if graph is None else REPLAY, cid, cache.pool.n_pages, cache.page_size,
                   MODES.index(cache.mode), batch.input_ids.numel(), batch.n_seqs, batch.block_tables.shape[1], rows,
-                  len(freed), *(graph or (0, 0, 0, 0))]
+                  len(freed), 0 if batch.row_seq is None else batch.row_seq.numel(), *(graph or (0, 0, 0, 0))]
         self.channel.send(header, _pack(batch, freed))
 
     def close(self) -> None:
@@ -183,7 +179,7 @@ def follow(local: model.Model, channel: Channel) -> None:
             if h[0] == FORWARD:
                 local.forward(batch, caches[cid])
                 continue
-            size, tokens, max_pages, trash_page = h[10:14]
+            size, tokens, max_pages, trash_page = h[11:15]
             key = (cid, max_pages, trash_page)
             if key not in graphs:
                 graphs[key] = DecodeGraphs(local, caches[cid], max_pages, trash_page)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -178,6 +179,78 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
 def test_planner_prefers_one_full_wave():
     lay = qm.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
     assert qm.choose_splits([lay], 1, 3 * 132, 1) == [24]      # 16 column blocks: 384 of 396 slots, not 400
+
+
+def gemm_warp_tiles(rows: int, shape: tuple[int, int]) -> list[list[int]]:
+    """The m16 tiles of x each GEMM warp multiplies, per (M tile, row group), as quant_matmul.cu GemmTile cuts them."""
+    groups, m_tiles = shape
+    m16 = -(-rows // 16)
+    per_tile = -(-m16 // m_tiles)
+    out = []
+    for mt in range(m_tiles):
+        t0 = min(m16, mt * per_tile)
+        t1 = min(m16, t0 + per_tile)
+        per_warp = -(-per_tile // groups)
+        for rg in range(groups):
+            w0 = min(t1, t0 + rg * per_warp)
+            out.append(list(range(w0, w0 + min(per_warp, t1 - w0))))
+    return out
+
+
+@pytest.mark.parametrize("row_groups", [1, 2])
+def test_gemm_warps_cover_every_row_once_within_their_registers(row_groups, monkeypatch):
+    monkeypatch.setattr(qm, "GEMM_ROW_GROUPS", row_groups)
+    for rows in range(qm.LARGE_M, qm.GEMM_ROWS_LIMIT + 1):
+        shape = qm.gemm_shape(rows)
+        tiles = gemm_warp_tiles(rows, shape)
+        assert sorted(t for warp in tiles for t in warp) == list(range(-(-rows // 16))), rows
+        assert max(len(warp) for warp in tiles) * 16 <= qm.GEMM_WARP_ROWS, rows
+        assert shape[0] == (1 if rows <= qm.GEMM_WARP_ROWS else qm.GEMM_ROW_GROUPS)
+
+
+def test_forward_picks_the_path_from_the_rows_alone():
+    paths = SimpleNamespace(_small="small", _gemm="gemm", _dequant_matmul="dequant")
+    picked = {rows: qm.QuantMatmul._path(paths, rows) for rows in range(1, 600)}
+    assert {r for r, p in picked.items() if p == "small"} == set(range(1, qm.LARGE_M))
+    assert {r for r, p in picked.items() if p == "gemm"} == set(range(qm.LARGE_M, qm.GEMM_MAX_M + 1))
+    assert qm.GEMM_MAX_M <= qm.GEMM_ROWS_LIMIT
+
+
+@pytest.mark.parametrize("rows", [17, 64, 65, 208, 256, 512])
+def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
+    lays = [qm.exl2_layout(synthetic.random_exl2(4128, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (517, 96)]
+    shape = qm.gemm_shape(rows)
+    plan = qm.plan_gemm(lays, [None, None], shape, n_sm=132)
+    p = plan.params
+    groups, m_tiles = shape
+    assert (int(p["row_groups"]), int(p["m_tiles"]), int(p["n_parts"]), int(p["K"])) == (groups, m_tiles, 2, 4128)
+    assert plan.kernel == "exl2_gemm"
+    block0 = ws = 0
+    for i, lay in enumerate(lays):
+        part = p["part"][i]
+        n, col_blocks = int(part["n_splits"]), int(part["col_blocks"])
+        assert col_blocks == -(-lay.strips // (qm.WARPS // groups))
+        assert 1 <= n <= qm.MAX_SPLITS and len(lay.chunk_bits) // n >= qm.GEMM_MIN_CHUNKS
+        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
+        assert int(part["block0"]) == block0 and int(part["ws_offset"]) == ws
+        block0 += col_blocks * m_tiles * n
+        ws += n * lay.np_ if n > 1 else 0
+    assert plan.blocks == block0 and plan.ws_floats == ws
+    slots, tiles = qm.GEMM_RESIDENT * 132, plan.blocks // int(p["part"][0]["n_splits"])
+    assert plan.blocks <= max(slots, tiles)                       # one wave, unless the tiles alone take more
+    assert plan.blocks + tiles > slots or all(                    # and as full as the split limits allow
+        len(lay.chunk_bits) // int(part["n_splits"]) < 2 * qm.GEMM_MIN_CHUNKS for lay, part in zip(lays, p["part"]))
+    longest = max(b - a for i in range(2) for a, b in zip(p["part"][i]["split_chunk"][:-1],
+                                                           p["part"][i]["split_chunk"][1:]) if b > a)
+    assert int(p["ring_smem"]) % 16 == 0 and int(p["ring_smem"]) >= 8 * longest
+    assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * 64 * groups * qm.GEMM_XS * 2 <= 99 * 1024
+
+
+def test_gemm_ring_rows_are_bank_conflict_free():
+    """A half-warp's 8-byte A-fragment loads (rows g = 0..3, columns 4q..4q+3) hit 16 distinct bank pairs."""
+    for s in range(2):
+        banks = [((g * qm.GEMM_XS + 16 * s + 4 * q) * 2 // 4) % 32 for g in range(4) for q in range(4)]
+        assert len({b // 2 for b in banks}) == 16 and qm.GEMM_XS * 2 % 16 == 0
 
 
 # ----------------------------------------------------------------------------------------------- CPU: kernel decode
@@ -424,6 +497,143 @@ def test_fused_weights_match_each_weight(m):
             y = y.float().cpu()
             assert y.shape == ref.shape and torch.isfinite(y).all()
             assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+# ----------------------------------------------------------------------------------------------- GPU: tiled GEMM
+
+GEMM_ROWS = [17, 33, 47, 64, 100, 129, 208, 256]
+
+
+def check_gemm(weights: list, m: int, biases: list, seed: int = 0, splits: str = "any") -> list[torch.Tensor]:
+    """The GEMM (for m <= GEMM_MAX_M asserted to be the path forward takes; above, called directly: it is planned
+    up to GEMM_ROWS_LIMIT rows) of one or more fused weights against the reference, twice on poisoned memory;
+    returns the outputs. splits: "one" / "several" asserts the plan's K split."""
+    gen = torch.Generator().manual_seed(seed)
+    k = weights[0].in_features
+    x = torch.randn(m, k, generator=gen).half()
+    fs = [qm.prepare(w.to(torch.device("cuda")), None if b is None else b.cuda()) for w, b in zip(weights, biases)]
+    f = fs[0] if len(fs) == 1 else qm.fuse(fs)
+    assert (f._path(m) == f._gemm) == (m <= qm.GEMM_MAX_M)
+    plan = f.gemm_plans[qm.gemm_shape(m)]
+    n_splits = [int(part["n_splits"]) for part in plan.params["part"][:len(weights)]]
+    assert splits == "any" or (max(n_splits) == 1) == (splits == "one"), n_splits
+    for _ in range(2):
+        poison_allocator()
+        ys = [y.float().cpu() for y in f._gemm(x.cuda())]
+        for w, b, y in zip(weights, biases, ys):
+            ref = x.float() @ w.dequantize().float().T + (0 if b is None else b.float())
+            assert y.shape == ref.shape and torch.isfinite(y).all()
+            assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+            assert (y - ref).abs().max() <= 5e-3 * ref.abs().max()
+    return ys
+
+
+def bias_for(n: int, seed: int) -> torch.Tensor:
+    return (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.1).half()
+
+
+@on_gpu
+@pytest.mark.parametrize("m", GEMM_ROWS)
+@pytest.mark.parametrize("k,n,splits", [(4128, 517, "several"), (416, 4128, "one")])
+def test_gemm_exl2_4bpw(m, k, n, splits):
+    w = synthetic.random_exl2(k, n, "4b_128g", seed=m)
+    check_gemm([w], m, [bias_for(n, m) if m % 2 else None], seed=m, splits=splits)
+
+
+@on_gpu
+@pytest.mark.parametrize("mix", EXL2_MIXES)
+@pytest.mark.parametrize("m", [47, 129])
+def test_gemm_exl2_every_width_and_mix(mix, m):
+    check_gemm([synthetic.random_exl2(1056, 96, mix, seed=m)], m, [bias_for(96, m)], seed=m)
+
+
+@on_gpu
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gemm_exl2_with_and_without_act_order(act_order):
+    w = synthetic.random_exl2(4128, 264, "0.05:8b_32g/0.1:4b_128g/0.85:3b_128g", seed=4, act_order=act_order)
+    assert (qm.exl2_layout(w).perm is None) != act_order
+    check_gemm([w], 100, [None], seed=4)
+
+
+@on_gpu
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("m", GEMM_ROWS)
+def test_gemm_gptq_4bit_g128(act_order, m):
+    w = synthetic.random_gptq(4096, 416, 4, 128, act_order, sym=False, seed=m)
+    check_gemm([w], m, [bias_for(416, m)], seed=m)
+
+
+@on_gpu
+@pytest.mark.parametrize("bits", [2, 3, 8])
+@pytest.mark.parametrize("group_size,act_order,sym", [(32, True, False), (-1, False, True)])
+def test_gemm_gptq_other_widths(bits, group_size, act_order, sym):
+    w = synthetic.random_gptq(416, 128 if bits == 3 else 80, bits, group_size, act_order, sym, seed=bits, v2=not sym)
+    check_gemm([w], 47, [None], seed=bits)
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [33, 129, 256])
+def test_gemm_fused_three_parts_with_bias(m):
+    k = 4128
+    weights = [synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+               synthetic.random_exl2(k, 517, "0.1:3b_64g/0.9:2b_64g", seed=2),
+               synthetic.random_exl2(k, 40, "6b_32g", seed=3)]
+    check_gemm(weights, m, [bias_for(96, m), None, bias_for(40, m + 1)], seed=m)
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [64, 208])
+def test_gemm_agrees_with_dequant_and_cublas(m):
+    w = synthetic.random_exl2(4128, 517, "0.05:8b_32g/0.95:4b_128g", seed=m)
+    f = qm.prepare(w.to(torch.device("cuda")), bias_for(517, m).cuda())
+    x = torch.randn(m, 4128, generator=torch.Generator().manual_seed(m)).half().cuda()
+    (gemm,), (dense,) = f._gemm(x), f._dequant_matmul(x)
+    gemm, dense = gemm.float(), dense.float()
+    assert ((gemm - dense).norm() / dense.norm()).item() < 5e-4
+    assert (gemm - dense).abs().max() <= 2e-3 * dense.abs().max()
+
+
+@on_gpu
+def test_rows_past_gemm_max_m_go_to_dequant_and_cublas():
+    m = qm.GEMM_MAX_M + 1
+    w = synthetic.random_exl2(416, 96, "4b_128g", seed=9)
+    f = qm.prepare(w.to(torch.device("cuda")), None)
+    assert f._path(m) == f._dequant_matmul and f._path(m - 1) == f._gemm
+    check_matmul(w, m, bias=True)
+
+
+@on_gpu
+def test_gemm_of_an_unaligned_x():
+    w = synthetic.random_gptq(416, 80, 4, 32, False, True, seed=2)
+    f = qm.prepare(w.to(torch.device("cuda")), None)
+    x = torch.randn(40 * 416 + 1, generator=torch.Generator().manual_seed(2)).half()
+    xs = x.cuda()[1:].view(40, 416)                     # 2 bytes past an aligned start
+    assert xs.data_ptr() % 16 and f._path(40) == f._gemm
+    ref = x[1:].view(40, 416).float() @ w.dequantize().float().T
+    y = f(xs).float().cpu()
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [47, 90])
+def test_gemm_replays_in_a_cuda_graph(m):
+    w = synthetic.random_exl2(4128, 416, "0.05:8b_32g/0.95:4b_128g", seed=5)
+    f = qm.prepare(w.to(torch.device("cuda")), (torch.randn(416) * 0.1).half().cuda())
+    assert f._path(m) == f._gemm
+    x = torch.randn(m, 4128, device="cuda").half()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = f(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(x)
+    for _ in range(3):
+        x.copy_(torch.randn(m, 4128, device="cuda").half())
+        graph.replay()
+        assert torch.equal(y, f(x))           # deterministic split-K reduction
+    assert not torch.equal(y, eager)
 
 
 @on_gpu
