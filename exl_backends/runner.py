@@ -91,11 +91,11 @@ class DecodeGraph:
         s.seq_lens[:n].copy_(batch.seq_lens)
         width = batch.block_tables.shape[1]
         s.block_tables[:n, :width].copy_(batch.block_tables)
-        # padding rows (and stale rows of a smaller batch) attend within the trash page
-        s.input_ids[rows:].zero_()
-        s.positions[rows:].copy_(self.pad_positions[rows:])
-        s.slots[rows:].copy_(self.pad_slots[rows:])
-        s.seq_lens[n:].fill_(self.tokens)
+        if n < self.size:       # padding rows (and stale rows of a smaller batch) attend within the trash page
+            s.input_ids[rows:].zero_()
+            s.positions[rows:].copy_(self.pad_positions[rows:])
+            s.slots[rows:].copy_(self.pad_slots[rows:])
+            s.seq_lens[n:].fill_(self.tokens)
         for other in self.stage_batches[1:]:
             if other is not s:                  # (stages on one device share the inputs)
                 for name in self.inputs:
