@@ -8,6 +8,10 @@ One step (`_step`):
   4. per job: choose the next token (sample it, or verify the drafted ones), commit it, check stops and banned
      strings, queue the text that became safe to show (job.py, detokenizer.py);
   5. finished jobs leave at once; their full pages stay cached for prefix reuse until memory is needed (pages.py).
+While every job of a decode step is a plain greedy decoder (and nothing waits to be admitted, drafted or taken
+back), the next decode step goes to the GPU before this one's tokens reach the host, fed this step's argmax on the
+device (`Launched`), so the host's work on a step overlaps the GPU's on the next instead of leaving it idle; a job
+that ends on a token wastes the one step launched after it.
 
 Context: a prompt must leave room for one new token (len(prompt) < max_seq_len, else ContextLengthError);
 max_new_tokens is then cut to what fits in max_seq_len, and the job ends with finish_reason "length" there.
@@ -34,6 +38,7 @@ from .batch import Batch, SeqChunk
 from .cache import KVCache
 from .errors import ConfigError, ContextLengthError, SamplingError
 from .job import Chunk, Completion, Job
+from .model import Model
 from .pages import PageManager
 from .runner import Runner
 from .sampling import SampleResult, SamplerState, SamplingParams, draw, greedy, probs, sample
@@ -87,6 +92,10 @@ class Generator:
         self._steps = 0                         # steps ended so far: a waiting consumer wakes when it changes
         self._cancels = 0                       # cancels waiting for their turn
         self._inbox: deque[Job] = deque()
+        self._ahead: Launched | None = None     # a decode step on the GPU whose tokens are not read yet
+        # steps fed tokens on the device: not under tensor parallelism, whose other ranks get each step's tokens
+        # from rank 0's host
+        self._own_model = isinstance(model.model, Model)
 
     # ---- the public API -------------------------------------------------------------------------------------------
 
@@ -232,22 +241,55 @@ class Generator:
             raise RuntimeError("the generator has nothing to run, yet a job is unfinished")
 
     def _step(self) -> bool:
-        while self._inbox:
-            self.scheduler.add(self._inbox.popleft())
-        plan = self.scheduler.schedule()
-        if not plan:
-            return False
-        drafts = self._propose([(job, width - 1) for job, width in plan if width > 1 and job.is_decoding])
-        chunks = [self._chunk(job, width, drafts) for job, width in plan]
-        rows = logit_rows(plan, chunks)
-        batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=[r for rs in rows for r in rs])
-        logits = self._forward(batch)
-        if self.draft is not None:
-            prefills = [(job, c) for (job, _), c in zip(plan, chunks) if not job.is_decoding]
-            if prefills:
-                self._draft_prefill(prefills)
-        self._take_tokens(plan, chunks, rows, logits, drafts)
+        step = self._ahead
+        if step is None:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
+            plan = self.scheduler.schedule()
+            if not plan:
+                return False
+            drafts = self._propose([(job, width - 1) for job, width in plan if width > 1 and job.is_decoding])
+            chunks = [self._chunk(job, width, drafts) for job, width in plan]
+            rows = logit_rows(plan, chunks)
+            batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=[r for rs in rows for r in rs])
+            logits = self._forward(batch)
+            if self.draft is not None:
+                prefills = [(job, c) for (job, _), c in zip(plan, chunks) if not job.is_decoding]
+                if prefills:
+                    self._draft_prefill(prefills)
+            if not self._can_look_ahead([job for job, _ in plan], 0):
+                self._take_tokens(plan, chunks, rows, logits, drafts)
+                return True
+            step = Launched(plan, chunks, rows, logits, 0)
+        # the next step goes to the GPU before this one's tokens are read, so that the host's work on them overlaps
+        # the GPU's on the next (it is fed this step's argmax on the device)
+        live = [job for job, _ in step.plan if not job.is_finished]
+        self._ahead = self._launch_next(step) if live and self._can_look_ahead(live, 1) else None
+        self._take_tokens(step.plan, step.chunks, step.rows, step.logits, {}, step.tokens())
         return True
+
+    def _can_look_ahead(self, jobs: list[Job], ahead: int) -> bool:
+        """Whether the step after a launched one can go now, `ahead` tokens past each job's last committed one
+        (0: whether a step just run can be treated as launched): nothing waits to be admitted or drafted, and each
+        job is a plain greedy decoder (no constraint, sampler or banned string, which may take a token back) below
+        its length limit there."""
+        if self._inbox or self.scheduler.waiting or self.scheduler.n_draft or not self._own_model:
+            return False
+        return all(job.is_plain_greedy and not job.banned_strings and len(job.tokens) + ahead < job.max_tokens
+                   and (ahead or job.is_decoding) for job in jobs)
+
+    def _launch_next(self, step: "Launched") -> "Launched":
+        """The decode step after `step` (whose tokens are not yet committed) for its unfinished jobs, its input
+        tokens taken from step's argmax on the device."""
+        keep = [i for i, (job, _) in enumerate(step.plan) if not job.is_finished]
+        plan = [step.plan[i] for i in keep]
+        chunks = []
+        for job, _ in plan:
+            self.scheduler.grow(job, len(job.tokens) + 1)
+            chunks.append(SeqChunk([0], len(job.tokens), job.pages))
+        batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=list(range(len(plan))))
+        batch.input_ids.copy_(step.top if len(keep) == len(step.plan) else step.top[keep])
+        return Launched(plan, chunks, [range(i, i + 1) for i in range(len(plan))], self._forward(batch), 1)
 
     def _chunk(self, job: Job, width: int, drafts: dict) -> SeqChunk:
         """The job's tokens for this step: its next prompt chunk, or its newest token and the drafted ones."""
@@ -256,16 +298,20 @@ class Generator:
         return SeqChunk(job.tokens[job.n_cached:job.n_cached + width], job.n_cached, job.pages)
 
     def _take_tokens(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range],
-                     logits: Tensor, drafts: dict) -> None:
-        """Commits each job's tokens from its logits rows, then retires finished jobs and queues text."""
-        top = greedy(logits).tolist() if any(job.is_plain_greedy for job, _ in plan) else None   # one host sync
+                     logits: Tensor | None, drafts: dict, top: list[int] | None = None) -> None:
+        """Commits each job's tokens from its logits rows (or from the argmax `top` alone, for a launched step),
+        then retires finished jobs and queues text. Jobs that finished since the step was launched are skipped."""
+        if top is None and any(job.is_plain_greedy for job, _ in plan):
+            top = greedy(logits).tolist()       # one host sync
         first = 0
         for (job, _), chunk, rs in zip(plan, chunks, rows):
+            first += len(rs)
+            if job.is_finished:
+                continue
             job.n_cached += len(chunk.tokens)
             if rs:
                 drafted, qs = drafts.get(job, NO_DRAFT)
-                self._decide(job, logits, range(first, first + len(rs)), top, drafted, qs)
-                first += len(rs)
+                self._decide(job, logits, range(first - len(rs), first), top, drafted, qs)
             # K/V past the last committed token belong to rejected drafts or taken-back tokens: not cached
             last = len(job.tokens) - 1
             job.n_cached = min(job.n_cached, last)
@@ -315,6 +361,7 @@ class Generator:
     def _fail_all(self, error: Exception) -> None:
         jobs = list(self._inbox) + list(self.scheduler.waiting) + list(self.scheduler.running)
         self._inbox.clear()
+        self._ahead = None
         for job in jobs:
             self.scheduler.drop(job)
             job._error = error
@@ -392,6 +439,33 @@ class Generator:
         self.draft.forward(Batch.build([c for _, c in pairs], self.page_size, self.model.device, logit_rows=[]))
         for job, c in pairs:
             job.n_draft_cached = c.start + len(c.tokens)
+
+
+class Launched:
+    """A decode step of plain greedy jobs sent to the GPU: its jobs, chunks and logits rows, and its argmax
+    (int64 [R] on the device), copied to pinned host memory without waiting, so that reading it waits for this
+    step's kernels only, not for the ones queued after them. The logits themselves (a graph's output, which the
+    next step overwrites) are copied only when a job may need more than the argmax: a position where its stop
+    tokens are still banned (min_new_tokens), or logprobs. `ahead`: how many tokens past each job's last committed
+    one the step's tokens go."""
+
+    def __init__(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range], logits: Tensor,
+                 ahead: int):
+        self.plan, self.chunks, self.rows = plan, chunks, rows
+        self.top = self.host = greedy(logits)
+        needed = any(job.n_logprobs or len(job.tokens) + ahead < job.min_tokens for job, _ in plan)
+        self.logits = logits.clone() if needed else None
+        self.done = None
+        if logits.is_cuda:
+            self.host = torch.empty(self.top.shape, dtype=self.top.dtype, pin_memory=True)
+            self.host.copy_(self.top, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:

@@ -43,7 +43,7 @@ class Scheduler:
             plan.append((job, min(len(job.tokens) - job.n_cached, budget)))
             budget -= plan[-1][1]
         for job, width in plan:
-            self._grow(job, job.n_cached + width)
+            self.grow(job, job.n_cached + width)
         return plan
 
     def drop(self, job: Job) -> None:
@@ -85,7 +85,8 @@ class Scheduler:
         self.running.append(job)
         return True
 
-    def _grow(self, job: Job, n_tokens: int) -> None:
+    def grow(self, job: Job, n_tokens: int) -> None:
+        """Gives the job pages for n_tokens tokens (admission promised them: this never fails)."""
         missing = self.pages_for(n_tokens) - len(job.pages)
         if missing > 0:
             job.pages += self.pages.allocate(missing)

@@ -150,6 +150,43 @@ def test_cancel_frees_pages_at_once(tiny):
     assert gen.pages.n_available == 16 and not gen.scheduler.running
 
 
+def test_steps_launched_ahead_change_no_token(tiny, monkeypatch):
+    """Decode steps of plain greedy jobs go to the model before the tokens of the step before are read (fed its
+    argmax on the device): the same tokens as stepping one at a time, for jobs that stop on a token mid-way, wait
+    for min_new_tokens, reach their length, are cancelled mid-stream, or join while others decode and ask for
+    logprobs; every page is free again at the end."""
+    model, _ = tiny
+    prompts = random_prompts(4, seed=21)
+    stop = alone(model, prompts[0])[7]
+
+    def run():
+        gen = make(model)
+        batches = counting(gen)
+        jobs = [gen.submit(prompts[0], max_new_tokens=NEW, stop_token_ids=[stop]),
+                gen.submit(prompts[1], max_new_tokens=5, stop_token_ids=[]),
+                gen.submit(prompts[2], max_new_tokens=NEW, stop_token_ids=[stop], min_new_tokens=4)]
+        cancelled = gen.submit(prompts[3], max_new_tokens=NEW, stop_token_ids=[])
+        head = next(jobs[0]).token_ids + next(jobs[0]).token_ids
+        gen.cancel(cancelled)
+        jobs.append(gen.submit(prompts[3], max_new_tokens=9, stop_token_ids=[], logprobs=2))
+        results = [job.result() for job in jobs]
+        out = [r.token_ids for r in results] + [[(x.token, round(x.logprob, 5)) for x in results[-1].logprobs]]
+        out[0] = head + out[0]
+        assert [job.n_generated for job in jobs] == [len(tokens) for tokens in out[:4]]    # none after the end
+        assert gen.pages.n_available == gen.cache.pool.n_pages and not gen.scheduler.running
+        return out, len(batches)
+
+    launched = []
+    launch = Generator._launch_next
+    monkeypatch.setattr(Generator, "_launch_next", lambda self, step: launched.append(step) or launch(self, step))
+    ahead, n_ahead = run()
+    assert len(launched) > 10 and ahead[0][-1] == stop and len(ahead[1]) == 5
+    monkeypatch.setattr(Generator, "_can_look_ahead", lambda self, jobs, ahead: False)
+    plain, n_plain = run()
+    assert ahead == plain
+    assert n_plain <= n_ahead <= n_plain + 4      # a launched step is wasted at most when a job stops on a token
+
+
 def test_more_jobs_than_pages_wait_and_all_finish(tiny):
     model, _ = tiny
     gen = make(model, cache_tokens=8 * PAGE)   # a job of 20 + 20 tokens takes 3 pages: two fit at once
