@@ -5,6 +5,8 @@ variant may also edit a constexpr into a macro first). Also a plain eager driver
     python benchmarks/tune_matmul.py --defines QMM_PREFETCH_BYTES=2048,QMM_PREFETCH_BYTES=4096 --m 1,16
     python benchmarks/tune_matmul.py --defines QMM_GEMM_STAGES=3,QMM_GEMM_STAGES=4 --m 64,208   # the tiled GEMM
     python benchmarks/tune_matmul.py --set GEMM_RESIDENT=1,GEMM_RESIDENT=2 --m 64   # K splits
+    python benchmarks/tune_matmul.py --gemm --set GEMM_V9=0,GEMM_V9=1 --formats "exl2 4.0bpw,gptq 4bit" \
+        --shapes 4096x14336,14336x4096,4096x4096,4096x6144 --m 32,64,128,208,256,512   # v8 vs v9 GEMM
     ncu --kernel-name regex:exl2_matmul_m1 --launch-skip 4 --launch-count 1 python benchmarks/tune_matmul.py \
         --eager 4096x14336
 """
@@ -18,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_matmul import SHAPES, bench_format, copy_bandwidth, exl2_weight, gptq_weight  # noqa: E402
+from bench_matmul import (SHAPES, bench_format, copies_for, copy_bandwidth, exl2_weight, gptq_weight,  # noqa: E402
+                          time_calls)
 
 from exl_backends.formats import synthetic  # noqa: E402
 from exl_backends.kernels import loader  # noqa: E402
@@ -26,19 +29,21 @@ from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
 M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
-GEMM_BLOCKS, GEMM_STAGES = qm.GEMM_RESIDENT, qm.GEMM_STAGES
+GEMM_BLOCKS, GEMM_STAGES, GEMM9_STAGES = qm.GEMM_RESIDENT, qm.GEMM_STAGES, qm.GEMM9_STAGES
 
 
 def use_define(define: str) -> None:
     """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
-    QMM_GEMM_BLOCKS=n and QMM_GEMM_STAGES=n set the GEMM plan's qm.GEMM_RESIDENT and qm.GEMM_STAGES (shared
-    memory) to match (they take effect for weights prepared after this call)."""
+    QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM9_STAGES=n set the GEMM plans' qm.GEMM_RESIDENT,
+    qm.GEMM_STAGES and qm.GEMM9_STAGES (shared memory) to match (they take effect for weights prepared after this
+    call)."""
     original = loader.module.__wrapped__
     value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
     qm.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
     qm.GEMM_RESIDENT = value.get("QMM_GEMM_BLOCKS", GEMM_BLOCKS)
     qm.GEMM_STAGES = value.get("QMM_GEMM_STAGES", GEMM_STAGES)
+    qm.GEMM9_STAGES = value.get("QMM_GEMM9_STAGES", GEMM9_STAGES)
 
     @functools.cache
     def module(family, cc):
@@ -57,19 +62,46 @@ def use_define(define: str) -> None:
 
 
 def check() -> float:
-    """Worst relative error over a few odd shapes and row counts (fused parts included)."""
+    """Worst relative error over a few odd shapes and row counts (fused parts included; the last two call the
+    GEMM whatever the row count)."""
     worst = 0.0
     cases = [(4128, (96, 416, 40), "0.05:8b_32g/0.95:4b_128g", 1), (416, (517,), "0.1:3b_64g/0.9:2b_64g", 3),
-             (4128, (160, 96), "0.15:8b_128g/0.85:6b_128g", 16), (416, (96,), "5b_64g", 130)]
-    for k, ns, mix, m in cases:
+             (4128, (160, 96), "0.15:8b_128g/0.85:6b_128g", 16), (416, (96,), "5b_64g", 130),
+             (4128, (517, 96), "0.05:8b_32g/0.95:4b_128g", 47), (4128, (517,), "0.1:3b_64g/0.9:2b_64g", 208)]
+    for i, (k, ns, mix, m) in enumerate(cases):
         ws = [synthetic.random_exl2(k, n, mix, seed=n + m) for n in ns]
         x = torch.randn(m, k).half()
         f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in ws])
         for _ in range(2):
-            for w, y in zip(ws, f.forward(x.cuda())):
+            for w, y in zip(ws, (f._gemm if i >= 4 else f.forward)(x.cuda())):
                 ref = x.float() @ w.dequantize().float().T
                 worst = max(worst, ((y.float().cpu() - ref).norm() / ref.norm()).item())
     return worst
+
+
+def time_gemm(makers: dict, formats: list[str], shapes: list, ms: list[int], variant: str, baseline: dict) -> list:
+    """Rows (variant, format, shape, M, GEMM us, TFLOP/s, dequant + cuBLAS us) of the GEMM path (_gemm, whichever
+    version the variant's plans pick; permute_x and the split-K reduce included) at every M, weights rotated from
+    DRAM as bench_matmul does. Dequant + cuBLAS does not depend on the variant: timed once per case (baseline)."""
+    rows = []
+    for fmt in formats:
+        for k, n in shapes:
+            gen = torch.Generator(device="cuda").manual_seed(k + n)
+            make = makers[fmt](k, n)
+            first = qm.prepare(make(gen), None)
+            fs = [first] + [qm.prepare(make(gen), None) for _ in range(copies_for(first.nbytes()) - 1)]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").half()
+                us = time_calls([lambda f=f: f._gemm(x) for f in fs]) * 1e6
+                key = (fmt, k, n, m)
+                if key not in baseline:
+                    baseline[key] = time_calls([lambda f=f: f._dequant_matmul(x) for f in fs]) * 1e6
+                rows.append((variant, fmt, f"{k}x{n} M={m}", us, 2 * m * k * n / us / 1e6, baseline[key],
+                             first.gemm_plan(m).kernel))
+                print(*rows[-1], flush=True)
+            del fs, first
+            torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
@@ -82,6 +114,8 @@ def main() -> None:
     ap.add_argument("--set", default="", help="planner constants of quant_matmul.py to time, e.g. "
                     "MAX_SPLIT_ROWS=64,MAX_SPLIT_ROWS=256 ('+' between several in one variant)")
     ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times (for ncu)")
+    ap.add_argument("--gemm", action="store_true", help="time the GEMM path (_gemm) at every --m, with dequant + "
+                    "cuBLAS beside it (e.g. --set GEMM_V9=0,GEMM_V9=1)")
     args = ap.parse_args()
     if args.eager:
         use_define(args.defines)
@@ -100,7 +134,7 @@ def main() -> None:
               "exl2 4.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "4b_128g", g),
               "exl2 6.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "6b_128g", g),
               "gptq 4bit": lambda k, n: lambda g: gptq_weight(k, n, 4, 128, g)}
-    rows = []
+    rows, gemm_rows, baseline = [], [], {}
     defaults = {name: getattr(qm, name) for a in args.set.split(",") if a for name in
                 [kv.split("=")[0] for kv in a.split("+")]}
     variants = [(d, b, a) for d in args.defines.split(",") for b in args.plan_blocks.split(",")
@@ -116,6 +150,10 @@ def main() -> None:
             setattr(qm, kv.split("=")[0], int(kv.split("=")[1]))
         define = f"{define} {assignments}".strip()
         err = check()
+        if args.gemm:
+            gemm_rows += [(*r, err) for r in time_gemm(makers, args.formats.split(","), shapes,
+                                                        list(map(int, args.m.split(","))), define, baseline)]
+            continue
         for fmt in args.formats.split(","):
             for k, n in shapes:
                 for m in map(int, args.m.split(",")):
@@ -126,6 +164,11 @@ def main() -> None:
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s")
     for r in rows:
         print(f"{r[0]:44} {r[1]:12} {r[2]:17} {r[3]:8.2f} us {r[4]:6.1f} %  err {r[5]:.1e}")
+    if gemm_rows:
+        print("\n| variant | format | shape | GEMM us | TFLOP/s | dequant + cuBLAS us | kernel | err |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in gemm_rows:
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]} | {r[7]:.1e} |")
 
 
 if __name__ == "__main__":
