@@ -237,17 +237,7 @@ def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
     groups, m_tiles = shape
     assert (int(p["row_groups"]), int(p["m_tiles"]), int(p["n_parts"]), int(p["K"])) == (groups, m_tiles, 2, 4128)
     assert plan.kernel == "exl2_gemm"
-    block0 = ws = 0
-    for i, lay in enumerate(lays):
-        part = p["part"][i]
-        n, col_blocks = int(part["n_splits"]), int(part["col_blocks"])
-        assert col_blocks == -(-lay.strips // (qm.WARPS // groups))
-        assert 1 <= n <= qm.MAX_SPLITS and len(lay.chunk_bits) // n >= qm.GEMM_MIN_CHUNKS
-        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
-        assert int(part["block0"]) == block0 and int(part["ws_offset"]) == ws
-        block0 += col_blocks * m_tiles * n
-        ws += n * lay.np_ if n > 1 else 0
-    assert plan.blocks == block0 and plan.ws_floats == ws
+    check_gemm_parts(plan, lays, qm.WARPS // groups, m_tiles)
     slots, tiles = qm.GEMM_RESIDENT * 132, plan.blocks // int(p["part"][0]["n_splits"])
     assert plan.blocks <= max(slots, tiles)                       # one wave, unless the tiles alone take more
     assert plan.blocks + tiles > slots or all(                    # and as full as the split limits allow
@@ -256,6 +246,22 @@ def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
                                                            p["part"][i]["split_chunk"][1:]) if b > a)
     assert int(p["ring_smem"]) % 16 == 0 and int(p["ring_smem"]) >= 8 * longest
     assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * 64 * groups * qm.GEMM_XS * 2 <= 99 * 1024
+
+
+def check_gemm_parts(plan, lays, strips_per_block: int, m_tiles: int) -> None:
+    """A GEMM plan's parts: column tiles of strips_per_block strips, splits within their limits, blocks and fp32
+    partials laid out part after part."""
+    block0 = ws = 0
+    for i, lay in enumerate(lays):
+        part = plan.params["part"][i]
+        n, col_blocks = int(part["n_splits"]), int(part["col_blocks"])
+        assert col_blocks == -(-lay.strips // strips_per_block)
+        assert 1 <= n <= qm.MAX_SPLITS and len(lay.chunk_bits) // n >= qm.GEMM_MIN_CHUNKS
+        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
+        assert int(part["block0"]) == block0 and int(part["ws_offset"]) == ws
+        block0 += col_blocks * m_tiles * n
+        ws += n * lay.np_ if n > 1 else 0
+    assert plan.blocks == block0 and plan.ws_floats == ws
 
 
 def test_gemm9_warps_cover_every_row_once_within_their_registers():
@@ -275,17 +281,7 @@ def test_gemm9_plans_split_k_to_fill_the_gpu_within_limits(rows):
     plan = qm.plan_gemm9(lays, [None, None], m_tiles, n_sm=132)
     p = plan.params
     assert plan.kernel == "exl2_gemm9" and (int(p["m_tiles"]), int(p["n_parts"])) == (m_tiles, 2)
-    block0 = ws = 0
-    for i, lay in enumerate(lays):
-        part = p["part"][i]
-        n, col_blocks = int(part["n_splits"]), int(part["col_blocks"])
-        assert col_blocks == -(-lay.strips // qm.WARPS)               # 256-column tiles
-        assert 1 <= n <= qm.MAX_SPLITS and len(lay.chunk_bits) // n >= qm.GEMM_MIN_CHUNKS
-        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
-        assert int(part["block0"]) == block0 and int(part["ws_offset"]) == ws
-        block0 += col_blocks * m_tiles * n
-        ws += n * lay.np_ if n > 1 else 0
-    assert plan.blocks == block0 and plan.ws_floats == ws
+    check_gemm_parts(plan, lays, qm.WARPS, m_tiles)                  # 256-column tiles
     tiles = plan.blocks // int(p["part"][0]["n_splits"])
     assert plan.blocks <= max(qm.GEMM9_RESIDENT * 132, tiles)    # one wave of 1 block per SM
     longest = max(b - a for i in range(2) for a, b in zip(p["part"][i]["split_chunk"][:-1],
