@@ -76,9 +76,9 @@ def write_model(directory: Path, shape: str) -> None:
     config = dict(s, architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
                   rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,
                   quantization_config={"quant_method": "exl2", "bits": 4.0, "head_bits": 6})
-    (directory / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (directory / name).write_bytes((TOKENIZER / name).read_bytes())
+    (directory / "config.json").write_text(json.dumps(config))       # last: its presence means the rest is there
 
 
 def decode_tok_s(lm: ExlForCausalLM, context: int, steps: int = 64) -> float:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .batch import Batch
 from .cache import KVCache
-from .model import Model, batch_on
+from .model import Model, batch_on, on_device
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)     # of PrefillGraphs
@@ -129,7 +129,7 @@ def _capture(model: Model, k: int, batch: Batch, cache: KVCache, carry, pool) ->
         model.stage_forward(k, batch, cache, carry)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=side):     # (torch's default capture stream: the first device's)
         out = model.stage_forward(k, batch, cache, carry)
     return graph, out
 
@@ -230,7 +230,7 @@ class PrefillGraphs:
         graphs = []
         for i in pieces:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):
                 self._piece(i, size)
             graphs.append(graph)
         return graphs
@@ -259,12 +259,13 @@ class Runner:
         """The batch's logits rows; after a graph replay, a view of the graph's static output, valid until the
         next forward (copy it to keep it)."""
         shape = self._graph_shape(batch)
-        if shape is not None:
-            return self.graphs.run(*shape, batch)
-        size = self.prefill and self.prefill.size(batch.input_ids.shape[0])
-        if size:
-            return self.prefill.run(size, batch)
-        return self.model.forward(batch, self.cache)
+        with on_device(self.model.device):      # kernels launch on the current device: the model's
+            if shape is not None:
+                return self.graphs.run(*shape, batch)
+            size = self.prefill and self.prefill.size(batch.input_ids.shape[0])
+            if size:
+                return self.prefill.run(size, batch)
+            return self.model.forward(batch, self.cache)
 
     def _graph_shape(self, batch: Batch) -> tuple[int, int] | None:
         """(graph batch size, tokens per sequence) of a step a graph serves, else None. From shapes and row_seq

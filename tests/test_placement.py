@@ -188,3 +188,36 @@ def test_gpu_split_logits_equal_one_gpu(dirs, name):
     assert eager_two.generate([1, 2, 3], max_new_tokens=8).token_ids == want
     graph = gen_two.runner.graphs.by_shape[1, 1]            # a split replays one graph per GPU
     assert [b.input_ids.device.index for b in graph.stage_batches] == [0, 1] and len(graph.graphs) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_model_on_the_second_gpu_generates_as_on_the_first(dirs):
+    """Kernels and captures follow the model's device, not the current one (cuda:0 throughout): after graphs were
+    captured on cuda:0, decode graphs and prefill pieces on cuda:1 give cuda:0's tokens."""
+    prompts = [[1, 2, 3], list(range(10, 50))]
+    tokens = []
+    for device in ("cuda:0", "cuda:1"):
+        gen = Generator(ExlForCausalLM.from_pretrained(dirs["exl2"], device=device, max_seq_len=256,
+                                                       dtype=torch.float16))
+        tokens.append([gen.generate(p, max_new_tokens=8).token_ids for p in prompts])
+        assert gen.runner.prefill.graphs and gen.runner.graphs.by_shape        # both captured
+    assert torch.cuda.current_device() == 0 and tokens[0] == tokens[1]
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_on_one_gpu_replays_a_graph_per_stage(dirs):
+    """Two stages on one GPU: the split's decode graphs (one per stage, the residual handed over between them)
+    give one unsplit model's tokens, eagerly and replayed."""
+    one = ExlForCausalLM.from_pretrained(dirs["exl2"], device="cuda:0", max_seq_len=256, dtype=torch.float16)
+    two = ExlForCausalLM.from_pretrained(dirs["exl2"], device=["cuda:0", "cuda:0"], gpu_split="auto",
+                                         max_seq_len=256, dtype=torch.float16)
+    assert len(two.model.stages) == 2
+    ids = torch.randint(0, 500, (2, 37), generator=torch.Generator().manual_seed(0)).cuda()
+    assert torch.allclose(one(ids).logits, two(ids).logits, atol=1e-3, rtol=1e-3)
+    prompts = [[1, 2, 3], list(range(10, 50))]
+    want = [Generator(one).generate(p, max_new_tokens=8).token_ids for p in prompts]
+    graphed, eager = Generator(two), Generator(two, cuda_graphs=False)
+    for gen in (graphed, eager):
+        assert [gen.generate(p, max_new_tokens=8).token_ids for p in prompts] == want
+    assert len(graphed.runner.graphs.by_shape[1, 1].graphs) == 2

@@ -8,7 +8,9 @@ each rank copies the inputs into its own graph's static tensors and replays it, 
 A size's first replay is captured on all ranks at once, so the captured collectives pair up."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import weakref
 from datetime import timedelta
@@ -235,6 +237,7 @@ def follower_main(path: str, rank: int, world: int, device_type: str, init_metho
                   requested: int | None, cache_mode: str) -> None:
     """A spawned rank's whole life: join, plan, load its shard, follow rank 0, leave. A plan that does not fit
     ends it quietly: rank 0 reached the same verdict and reports it."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # `kill -USR1 PID`: where a stalled rank waits
     me, channel = join_group(rank, world, device_type, init_method)
     try:
         local, _ = load_rank(Path(path), me, channel, dtype, ModelConfig.from_dir(path), requested, cache_mode)
