@@ -3,7 +3,7 @@ picks kernels.quant_matmul.LARGE_M.
 
     python benchmarks/bench_matmul.py            # table on stdout; JSON to $OUT/bench_matmul.json if OUT is set
     python benchmarks/bench_matmul.py --gemm     # only the M > 16 paths side by side (GEMM_MAX_M); JSON to
-                                                 # $OUT/bench_gemm.json; QMM_GEMM_V9=1: the GEMM column is v9
+                                                 # $OUT/bench_gemm.json
 
 Bytes per call are what the kernel must read: packed words, scale codes/scales/zeros, the per-chunk table and the
 permutation (x and y are negligible at M=1). Every call is timed inside a CUDA graph that cycles through enough
@@ -137,8 +137,7 @@ def gemm_table() -> None:
     makers = {"exl2 4.0bpw": lambda k, n: lambda gen: exl2_weight(k, n, "4b_128g", gen),
               "gptq 4bit g128": lambda k, n: lambda gen: gptq_weight(k, n, 4, 128, gen)}
     rows = []
-    print(f"{props.name}: {props.multi_processor_count} SMs; LARGE_M = {qm.LARGE_M}, GEMM_MAX_M = {qm.GEMM_MAX_M}; "
-          f"v9 GEMM {f'from {qm.GEMM_V9_MIN_M} rows (QMM_GEMM_V9)' if qm.GEMM_V9 else 'off'}")
+    print(f"{props.name}: {props.multi_processor_count} SMs; LARGE_M = {qm.LARGE_M}, GEMM_MAX_M = {qm.GEMM_MAX_M}")
     for fmt, maker in makers.items():
         for k, n in GEMM_SHAPES:
             make = maker(k, n)

@@ -5,8 +5,8 @@ variant may also edit a constexpr into a macro first). Also a plain eager driver
     python benchmarks/tune_matmul.py --defines QMM_PREFETCH_BYTES=2048,QMM_PREFETCH_BYTES=4096 --m 1,16
     python benchmarks/tune_matmul.py --defines QMM_GEMM_STAGES=3,QMM_GEMM_STAGES=4 --m 64,208   # the tiled GEMM
     python benchmarks/tune_matmul.py --set GEMM_RESIDENT=1,GEMM_RESIDENT=2 --m 64   # K splits
-    python benchmarks/tune_matmul.py --gemm --set GEMM_V9=0,GEMM_V9=1 --formats "exl2 4.0bpw,gptq 4bit" \
-        --shapes 4096x14336,14336x4096,4096x4096,4096x6144 --m 32,64,128,208,256,512   # v8 vs v9 GEMM
+    python benchmarks/tune_matmul.py --gemm --formats "exl2 4.0bpw,gptq 4bit" --shapes 4096x14336,4096x4096 \
+        --m 32,64,96,128,208   # the tiled GEMM beside dequant + cuBLAS (GEMM_MAX_M)
     ncu --kernel-name regex:exl2_matmul_m1 --launch-skip 4 --launch-count 1 python benchmarks/tune_matmul.py \
         --eager 4096x14336
 """
@@ -29,21 +29,19 @@ from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
 M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
-GEMM_BLOCKS, GEMM_STAGES, GEMM9_STAGES = qm.GEMM_RESIDENT, qm.GEMM_STAGES, qm.GEMM9_STAGES
+GEMM_BLOCKS, GEMM_STAGES = qm.GEMM_RESIDENT, qm.GEMM_STAGES
 
 
 def use_define(define: str) -> None:
     """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
-    QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM9_STAGES=n set the GEMM plans' qm.GEMM_RESIDENT,
-    qm.GEMM_STAGES and qm.GEMM9_STAGES (shared memory) to match (they take effect for weights prepared after this
-    call)."""
+    QMM_GEMM_BLOCKS=n and QMM_GEMM_STAGES=n set the GEMM plan's qm.GEMM_RESIDENT and qm.GEMM_STAGES (shared
+    memory) to match (they take effect for weights prepared after this call)."""
     original = loader.module.__wrapped__
     value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
     qm.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
     qm.GEMM_RESIDENT = value.get("QMM_GEMM_BLOCKS", GEMM_BLOCKS)
     qm.GEMM_STAGES = value.get("QMM_GEMM_STAGES", GEMM_STAGES)
-    qm.GEMM9_STAGES = value.get("QMM_GEMM9_STAGES", GEMM9_STAGES)
 
     @functools.cache
     def module(family, cc):
@@ -80,9 +78,9 @@ def check() -> float:
 
 
 def time_gemm(makers: dict, formats: list[str], shapes: list, ms: list[int], variant: str, baseline: dict) -> list:
-    """Rows (variant, format, shape, M, GEMM us, TFLOP/s, dequant + cuBLAS us) of the GEMM path (_gemm, whichever
-    version the variant's plans pick; permute_x and the split-K reduce included) at every M, weights rotated from
-    DRAM as bench_matmul does. Dequant + cuBLAS does not depend on the variant: timed once per case (baseline)."""
+    """Rows (variant, format, shape, M, GEMM us, TFLOP/s, dequant + cuBLAS us) of the GEMM path (_gemm; permute_x
+    and the split-K reduce included) at every M, weights rotated from DRAM as bench_matmul does. Dequant + cuBLAS
+    does not depend on the variant: timed once per case (baseline)."""
     rows = []
     for fmt in formats:
         for k, n in shapes:
@@ -96,8 +94,7 @@ def time_gemm(makers: dict, formats: list[str], shapes: list, ms: list[int], var
                 key = (fmt, k, n, m)
                 if key not in baseline:
                     baseline[key] = time_calls([lambda f=f: f._dequant_matmul(x) for f in fs]) * 1e6
-                rows.append((variant, fmt, f"{k}x{n} M={m}", us, 2 * m * k * n / us / 1e6, baseline[key],
-                             first.gemm_plan(m).kernel))
+                rows.append((variant, fmt, f"{k}x{n} M={m}", us, 2 * m * k * n / us / 1e6, baseline[key]))
                 print(*rows[-1], flush=True)
             del fs, first
             torch.cuda.empty_cache()
@@ -115,7 +112,7 @@ def main() -> None:
                     "MAX_SPLIT_ROWS=64,MAX_SPLIT_ROWS=256 ('+' between several in one variant)")
     ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times (for ncu)")
     ap.add_argument("--gemm", action="store_true", help="time the GEMM path (_gemm) at every --m, with dequant + "
-                    "cuBLAS beside it (e.g. --set GEMM_V9=0,GEMM_V9=1)")
+                    "cuBLAS beside it (e.g. --set GEMM_ROW_GROUPS=1,GEMM_ROW_GROUPS=2)")
     args = ap.parse_args()
     if args.eager:
         use_define(args.defines)
@@ -165,10 +162,10 @@ def main() -> None:
     for r in rows:
         print(f"{r[0]:44} {r[1]:12} {r[2]:17} {r[3]:8.2f} us {r[4]:6.1f} %  err {r[5]:.1e}")
     if gemm_rows:
-        print("\n| variant | format | shape | GEMM us | TFLOP/s | dequant + cuBLAS us | kernel | err |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| variant | format | shape | GEMM us | TFLOP/s | dequant + cuBLAS us | err |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in gemm_rows:
-            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]} | {r[7]:.1e} |")
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1e} |")
 
 
 if __name__ == "__main__":

@@ -79,26 +79,6 @@
 //   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k'] = x[m][perm_i[k']] (a copy for
 //   a part without a perm), through the row in shared memory (coalesced reads and writes).
 //
-// GEMM V9 KERNELS  <fmt>_gemm9 (quant_matmul.GEMM_V9; the launches and arguments of <fmt>_gemm; NOTES-matmul.md v9)
-//   Sized for 128+ rows of x; sm_80+ (~84 KB of shared memory per block: the launcher leaves it off on Turing).
-//   Block 256 = 8 warps, 1 block per SM, tile 256 columns (8 strips) x up to GEMM9_ROWS =
-//   128 rows: block b of a part is column tile b % col_blocks (col_blocks = ceil(strips / 8)), M tile
-//   b / col_blocks % m_tiles (ceil(M16 / m_tiles) m16 tiles), split b / col_blocks / m_tiles. Warp w decodes strip w
-//   of the tile (the part's last strip for tiles past it), so each weight is decoded once per block, with the
-//   dequant kernel's instructions (fp16((code - z) * scale), bit-identical), into a W tile in shared memory; and it
-//   multiplies x rows of row group w / 4 (up to GEMM_WARP_TILES m16 tiles) by strips 2 (w % 4) and 2 (w % 4) + 1:
-//   a 64 x 64 output tile, 4 x 8 m16n8k16 MMAs per k16 step, 128 fp32 accumulators per lane. The W tile is in
-//   fragment order, uint4 [strip][s][j / 2][lane] holding (b0, b1) of n8 tiles j and j + 1 at k16 step s for lane
-//   `lane` (the lane layout's pairs (j, s, h) are those fragments: GEMM KERNELS above), so stores and loads are
-//   lane-linear 16-byte accesses (no bank conflicts, no ldmatrix); A fragments as in the GEMM kernels.
-//   Per chunk n (Gemm9Sink): decode chunk n into W tile n % 2 (double buffer) and issue chunk n - 1's MMAs (warps
-//   0-3 in this order, 4-7 the other way round: the two warps of an SM sub-partition overlap one's decode with the
-//   other's MMAs), wait for x chunk n, one __syncthreads, stage x chunk n + GEMM9_STAGES - 1 (cp.async ring of
-//   GEMM9_STAGES slots of 128 rows x GEMM_XS halves). The warps' weight words come through walk_run's PIPELINE
-//   (next batch loaded before this one is decoded) with the L2 prefetches of the other kernels. Dynamic shared
-//   memory: the split's chunk_meta entries, then at Params.ring_smem the two W tiles (GEMM9_W_WORDS uint4 each),
-//   then the x ring. Splits, ws, gemm_reduce, permute_x and dependent launch as in the GEMM kernels.
-//
 // DEQUANT KERNELS  <fmt>_dequant
 //   Same Params (one part, its own plan), block 256, static shared memory 20 KB. Warp w of block b decodes its
 //   strip over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference), stages each
@@ -132,15 +112,6 @@ constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), RE
 constexpr int GEMM_STAGES = QMM_GEMM_STAGES;   // x chunks in flight in a GEMM block's ring (quant_matmul.GEMM_STAGES)
 constexpr int GEMM_XS = 48;              // halves per x row of a ring slot: 32 + 16 pad (quant_matmul.GEMM_XS)
 constexpr int GEMM_WARP_TILES = 4;       // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS = 64)
-#ifndef QMM_GEMM9_STAGES                   // v9 GEMM (GEMM V9 KERNELS): x chunks in flight (quant_matmul.GEMM9_STAGES;
-#define QMM_GEMM9_STAGES 4                 // benchmarks/tune_matmul.py times other values)
-#endif
-#ifndef QMM_GEMM9_BATCH                    // chunks a v9 warp loads per batch, the next batch loaded before the
-#define QMM_GEMM9_BATCH 1                  // current one is decoded (walk_run's PIPELINE)
-#endif
-constexpr int GEMM9_STAGES = QMM_GEMM9_STAGES;
-constexpr int GEMM9_ROWS = 2 * 16 * GEMM_WARP_TILES;     // x rows of a v9 block: two row groups of warps
-constexpr int GEMM9_W_WORDS = WARPS * 2 * 2 * 32;        // uint4 of one chunk's W tile: [strip][s][j / 2][lane], 16 KB
 
 // ------------------------------------------------------------------------------------------- pair layout
 
@@ -1185,214 +1156,6 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
     for (int k = threadIdx.x; k < K; k += THREADS) out[k] = row[perm ? __ldg(perm + k) : k];
 }
 
-// ------------------------------------------------------------------------------------------- GEMM v9
-
-// A v9 GEMM block's place (GEMM V9 KERNELS above): its split, M tile rows, the strip its warp decodes and the
-// warp's share of the outputs (2 strips x up to GEMM_WARP_TILES m16 tiles).
-struct Gemm9Tile {
-    int split;
-    int strip;               // the strip the warp decodes: tile strip `warp`, clamped to the part's last
-    int strip0;              // the first of the warp's two computed strips (may lie past the part: not written)
-    int row0, rows;          // the block's x rows [row0, row0 + rows): whole m16 tiles, those >= M zero-filled
-    int warp_row0, tiles;    // the warp's first x row and its m16 tiles (0..GEMM_WARP_TILES)
-
-    __device__ Gemm9Tile(const Params& p, const Part& pt, int local, int M, int warp)
-    {
-        const int col_tile = local % pt.col_blocks, rest = local / pt.col_blocks;
-        const int m_tile = rest % p.m_tiles;
-        split = rest / p.m_tiles;
-        strip = min(col_tile * WARPS + warp, pt.strips - 1);
-        strip0 = col_tile * WARPS + 2 * (warp % 4);
-        const int m16 = (M + 15) / 16, per_tile = (m16 + p.m_tiles - 1) / p.m_tiles;
-        const int t0 = min(m16, m_tile * per_tile), t1 = min(m16, t0 + per_tile);
-        const int per_warp = (per_tile + 1) / 2;
-        const int w0 = min(t1, t0 + warp / 4 * per_warp);
-        row0 = 16 * t0;
-        rows = 16 * (t1 - t0);
-        warp_row0 = 16 * w0;
-        tiles = min(per_warp, t1 - w0);
-    }
-};
-
-// Call n (chunk c0 + n of the split): decode the warp's strip of chunk n into W tile n % 2 and issue chunk n - 1's
-// MMAs (W tile (n - 1) % 2, x slot (n - 1) % GEMM9_STAGES), in an order that depends on the warp (chunk()), wait
-// for x chunk n, barrier, then stage x chunk n + GEMM9_STAGES - 1 into the slot chunk n - 1 used. The barrier of
-// call n makes W tile n and x chunk n visible for call n + 1 and frees what chunk n - 1 read; W tile n % 2 was last
-// read in call n - 1, before barrier n - 1. finish() issues the last chunk's MMAs.
-template <class Fmt>
-struct Gemm9Sink {
-    static constexpr bool PIPELINE = true;
-    static constexpr int BATCH = QMM_GEMM9_BATCH;
-    static constexpr int SLOT = GEMM9_ROWS * GEMM_XS;    // halves of an x ring slot
-    uint4* w_tiles;          // 2 W tiles of GEMM9_W_WORDS
-    half* ring;              // GEMM9_STAGES x slots
-    const half* x;           // [M, K], stored row order
-    int K, M, row0, rows, c0, c1;
-    int a_offset;            // halves from a slot's start to the lane's A rows: warp row + g, chunk column 4q
-    int tiles;
-    int store;               // the lane's uint4 in a W tile: [strip warp][0][0][lane]
-    int load;                // the lane's uint4 of its first computed strip: [strip0 % WARPS][0][0][lane]
-    int n = 0;               // calls so far
-    int group = -1;
-    typename Fmt::State st;
-    half2 scale[4];          // (s, s) of column col(j) of the current group
-    float acc[GEMM_WARP_TILES][8][4] = {};    // [m16 tile i][n8 tile 4t + j]: rows 16i + g (+8), columns of strip
-                                              // strip0 + t: 8j + 2q (+1)
-
-    // Chunk c0 + k into its slot (if the split has it): one commit group per call, also when empty.
-    __device__ void stage(int k)
-    {
-        if (c0 + k < c1) {
-            half* slot = ring + (k % GEMM9_STAGES) * SLOT;
-            const int col = 32 * (c0 + k);
-            for (int i = threadIdx.x; i < rows * 4; i += THREADS) {
-                const int r = i / 4, seg = i % 4, m = row0 + r;
-                copy_async16(slot + r * GEMM_XS + 8 * seg, x + (size_t)min(m, M - 1) * K + col + 8 * seg, m < M);
-            }
-        }
-        copy_async_commit();
-    }
-
-    // The warp's MMAs of chunk k: B fragments of n8 tile j at k16 step s are (b0, b1) = words (0, 1) (j even) or
-    // (2, 3) (j odd) of uint4 [strip][s][j / 2][lane]; A fragments as v8 (rows g, g + 8; k order 4q + 2h + e).
-    __device__ void multiply(int k)
-    {
-        const uint4* wt = w_tiles + (k % 2) * GEMM9_W_WORDS + load;
-        const half* xs = ring + (k % GEMM9_STAGES) * SLOT + a_offset;
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            uint4 b[2][2];                                          // [strip t][j / 2]
-#pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-                for (int jp = 0; jp < 2; ++jp) b[t][jp] = wt[t * 128 + (2 * s + jp) * 32];
-#pragma unroll
-            for (int i = 0; i < GEMM_WARP_TILES; ++i)
-                if (i < tiles) {
-                    const uint2 lo = *reinterpret_cast<const uint2*>(xs + 16 * i * GEMM_XS + 16 * s);       // row g
-                    const uint2 hi = *reinterpret_cast<const uint2*>(xs + (16 * i + 8) * GEMM_XS + 16 * s); // g + 8
-#pragma unroll
-                    for (int t = 0; t < 2; ++t)
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const uint4& v = b[t][j / 2];
-                            mma_16816(acc[i][4 * t + j], lo.x, hi.x, lo.y, hi.y, j % 2 ? v.z : v.x,
-                                      j % 2 ? v.w : v.y);
-                        }
-                }
-        }
-    }
-
-    // The warp's strip of chunk n into W tile n % 2.
-    template <int B>
-    __device__ __forceinline__ void decode(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw)
-    {
-        if (group_key != group) {
-            Fmt::template enter<B>(raw, threadIdx.x % 32 / 4, st);
-            scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
-            scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
-            group = group_key;
-        }
-        half2 b[16];
-        decode_pairs<B, Fmt>(w, st, b);
-#pragma unroll
-        for (int p = 0; p < 16; ++p) b[p] = __hmul2(b[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
-        uint4* dst = w_tiles + (n % 2) * GEMM9_W_WORDS + store;
-#pragma unroll
-        for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int jp = 0; jp < 2; ++jp)                     // n8 tiles j = 2jp, 2jp + 1: pairs 4j + 2s + h
-                dst[(2 * s + jp) * 32] = make_uint4(as_bits(b[8 * jp + 2 * s]), as_bits(b[8 * jp + 2 * s + 1]),
-                                                    as_bits(b[8 * jp + 4 + 2 * s]), as_bits(b[8 * jp + 4 + 2 * s + 1]));
-    }
-
-    // Warps 0-3 decode, then issue their MMAs; warps 4-7 (the other warp of each SM sub-partition: warp w runs on
-    // sub-partition w % 4) the other way round, so that each warp's decode overlaps its partner's MMAs and the
-    // tensor pipe is not left idle at the start and end of every chunk.
-    template <int B>
-    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int)
-    {
-        const bool decode_first = threadIdx.x < THREADS / 2;
-        if (decode_first) decode<B>(w, group_key, raw);
-        if (n > 0) multiply(n - 1);
-        if (!decode_first) decode<B>(w, group_key, raw);
-        copy_async_wait<GEMM9_STAGES - 2>();
-        __syncthreads();
-        stage(n + GEMM9_STAGES - 1);
-        ++n;
-    }
-
-    __device__ void finish()
-    {
-        if (n > 0) multiply(n - 1);
-    }
-};
-
-// Block `local` of part pt: y [M, pt.n] (+ bias) = x [M, K] (stored order) @ W^T, or its split's fp32 partials to
-// ws (this part's, [n_splits][M][Np]), with the v9 tiles.
-template <class Fmt>
-__device__ __forceinline__ void gemm9_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
-                                           float* ws)
-{
-    extern __shared__ __align__(16) unsigned char smem[];
-    int2* meta_s = reinterpret_cast<int2*>(smem);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const Gemm9Tile tile(p, pt, local, M, warp);
-    const int c0 = pt.split_chunk[tile.split], c1 = pt.split_chunk[tile.split + 1];
-
-    Stream st;                                         // DRAM reads first (weights only)
-    start_stream(st, pt, tile.strip, tile.split, lane);
-    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
-    stage_meta(meta_s, pt.chunk_meta, c0, c1);
-    pdl_wait();                                        // x and ws belong to earlier kernels
-
-    Gemm9Sink<Fmt> sink;
-    sink.w_tiles = reinterpret_cast<uint4*>(smem + p.ring_smem);
-    sink.ring = reinterpret_cast<half*>(smem + p.ring_smem + 2 * GEMM9_W_WORDS * sizeof(uint4));
-    sink.x = x;
-    sink.K = p.K; sink.M = M; sink.row0 = tile.row0; sink.rows = tile.rows; sink.c0 = c0; sink.c1 = c1;
-    sink.a_offset = (tile.warp_row0 - tile.row0 + g) * GEMM_XS + 4 * q;
-    sink.tiles = tile.tiles;
-    sink.store = warp * 128 + lane;
-    sink.load = (tile.strip0 % WARPS) * 128 + lane;
-#pragma unroll
-    for (int k = 0; k < GEMM9_STAGES - 1; ++k) sink.stage(k);
-    __syncthreads();                                   // meta_s
-    walk<Fmt>(pt, tile.strip, tile.split, meta_s, st, lane, sink);
-    sink.finish();
-    copy_async_wait<0>();
-
-    const int N = pt.n, Np = pt.np;
-    float* part = pt.n_splits > 1 ? ws + (size_t)tile.split * M * Np : nullptr;
-#pragma unroll
-    for (int i = 0; i < GEMM_WARP_TILES; ++i)
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int m = tile.warp_row0 + 16 * i + g + 8 * e, col = (tile.strip0 + t) * 32 + 8 * j + 2 * q;
-                    if (i >= tile.tiles || m >= M || tile.strip0 + t >= pt.strips) continue;
-                    const float v0 = sink.acc[i][4 * t + j][2 * e], v1 = sink.acc[i][4 * t + j][2 * e + 1];
-                    if (part)
-                        *reinterpret_cast<float2*>(part + (size_t)m * Np + col) = make_float2(v0, v1);
-                    else
-                        store_pair(y, N, m, col, v0 + (col < N ? bias_at(pt.bias, col) : 0.f),
-                                   v1 + (col + 1 < N ? bias_at(pt.bias, col + 1) : 0.f));
-                }
-}
-
-template <class Fmt>
-__device__ __forceinline__ void gemm9(const Params& p, int M, const half* x0, const half* x1, const half* x2,
-                                      half* y0, half* y1, half* y2, float* ws)
-{
-    const int pi = part_of(p, blockIdx.x);
-    const Part& pt = p.part[pi];
-    gemm9_part<Fmt>(p, pt, blockIdx.x - pt.block0, M, pi == 0 ? x0 : pi == 1 ? x1 : x2,
-                    pi == 0 ? y0 : pi == 1 ? y1 : y2, ws ? ws + (size_t)pt.ws_offset * M : ws);
-}
-
 }  // namespace qmm
 
 // ------------------------------------------------------------------------------------------- entry points
@@ -1465,20 +1228,6 @@ QMM_DEQUANT(gptq_dequant, qmm::Gptq)
 
 QMM_GEMM(exl2_gemm, qmm::Exl2)
 QMM_GEMM(gptq_gemm, qmm::Gptq)
-
-// v9 GEMM (qmm::gemm9, GEMM V9 KERNELS above): the same arguments; 1 block per SM (up to 255 registers: a warp's
-// 64 x 64 outputs are 128 fp32 accumulators per lane).
-#define QMM_GEMM9(NAME, FMT)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 1)                                                      \
-    NAME(const __grid_constant__ qmm::Params p, int M, const half* x0, const half* x1, const half* x2, half* y0,     \
-         half* y1, half* y2, float* ws)                                                                                \
-    {                                                                                                                  \
-        exl::pdl_trigger();                                                                                           \
-        qmm::gemm9<FMT>(p, M, x0, x1, x2, y0, y1, y2, ws);                                                             \
-    }
-
-QMM_GEMM9(exl2_gemm9, qmm::Exl2)
-QMM_GEMM9(gptq_gemm9, qmm::Gptq)
 
 // grid (ceil(M * max Np / 512), parts), block 256: the GEMM's split partials summed into y (qmm::gemm_reduce).
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)

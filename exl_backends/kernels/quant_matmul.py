@@ -11,15 +11,12 @@ graph.
 Below LARGE_M rows of x, the small-M kernel reads each packed word once per 16 rows of x; from LARGE_M to GEMM_MAX_M
 rows the tiled GEMM reads and decodes it once per M tile (up to 128 rows) and multiplies on tensor cores; above that
 the weight is dequantized to an fp16 scratch (bit-exact with the reference) and multiplied by cuBLAS. The path is
-chosen per call from the number of rows alone. QMM_GEMM_V9=1 in the environment (read at import, for A/B on the
-device until v9 is measured) adds the v9 GEMM (a W tile decoded once per block in shared memory) from GEMM_V9_MIN_M
-rows and takes the GEMM up to GEMM_V9_MAX_M rows."""
+chosen per call from the number of rows alone."""
 from __future__ import annotations
 
 import bisect
 import functools
 import math
-import os
 from dataclasses import dataclass
 from enum import Enum
 
@@ -67,17 +64,6 @@ GEMM_XS = 48                    # halves per x row of a ring slot (quant_matmul.
 # tune_matmul.py --defines QMM_GEMM_BLOCKS=1 compares); K is split until a launch fills one wave of them
 GEMM_RESIDENT = 2
 GEMM_MIN_CHUNKS = 8             # chunks per split at least: fewer would not fill the ring's pipeline
-# The v9 GEMM (quant_matmul.cu GEMM V9 KERNELS, NOTES-matmul.md v9): blocks of 256 columns x GEMM9_ROWS rows, each
-# weight decoded once per block into a shared W tile, 1 block per SM. Off by default until the device has measured
-# it against v8 (tune_matmul.py --gemm --set GEMM_V9=0,GEMM_V9=1); QuantMatmul reads these three when built.
-GEMM_V9 = os.environ.get("QMM_GEMM_V9", "0") not in ("", "0")
-GEMM_V9_MIN_M = LARGE_M         # from this many rows v9 instead of v8 (every GEMM row count until measured)
-GEMM_V9_MAX_M = 512             # with v9, the GEMM instead of dequant + cuBLAS up to this many rows (predicted)
-GEMM9_ROWS = 128                # x rows of a v9 block (quant_matmul.cu GEMM9_ROWS)
-GEMM9_STAGES = 4                # x chunks in flight per v9 block (quant_matmul.cu GEMM9_STAGES)
-GEMM9_W_BYTES = 16 * 1024       # one chunk's W tile (8 strips x 32 rows x 32 columns fp16); two of them
-GEMM9_RESIDENT = 1              # v9 blocks per SM (launch bounds: 255 registers)
-GEMM9_MIN_CC = (8, 0)           # ~84 KB of shared memory per block: Turing allows 64 KB (and has no cp.async)
 RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
@@ -105,7 +91,6 @@ MATMUL_KERNELS = {   # (format, rows-of-x class) -> entry point of quant_matmul.
 }
 DEQUANT_KERNELS = {Format.EXL2: "exl2_dequant", Format.GPTQ: "gptq_dequant"}
 GEMM_KERNELS = {Format.EXL2: "exl2_gemm", Format.GPTQ: "gptq_gemm"}
-GEMM9_KERNELS = {Format.EXL2: "exl2_gemm9", Format.GPTQ: "gptq_gemm9"}
 MOE_KERNELS = {   # (format, rows per pass) -> MoE entry point of quant_matmul.cu (qmm::moe_matmul)
     (Format.EXL2, 1): "exl2_moe_m1", (Format.EXL2, 16): "exl2_moe_m16",
     (Format.GPTQ, 1): "gptq_moe_m1", (Format.GPTQ, 16): "gptq_moe_m16",
@@ -452,37 +437,17 @@ def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tup
     GEMM_RESIDENT blocks per SM (within GEMM_MIN_CHUNKS chunks per split and MAX_SPLITS). ws_floats is per row of
     x."""
     groups, m_tiles = shape
-    return _tiled_plan(GEMM_KERNELS[layouts[0].fmt], layouts, biases, WARPS // groups, groups, m_tiles,
-                       GEMM_RESIDENT * n_sm, GEMM_STAGES * GEMM_WARP_ROWS * groups * GEMM_XS * 2)
-
-
-def gemm9_m_tiles(rows: int) -> int:
-    """M tiles of the v9 GEMM for `rows` rows of x: at most GEMM9_ROWS rows (two warps of GEMM_WARP_ROWS) each."""
-    return -(-rows // GEMM9_ROWS)
-
-
-def plan_gemm9(layouts: list[LaneLayout], biases: list[Tensor | None], m_tiles: int, n_sm: int) -> Plan:
-    """The v9 GEMM launch for m_tiles M tiles: blocks of 8 strips, split K as plan_gemm for GEMM9_RESIDENT blocks
-    per SM; shared memory: chunk_meta, then (ring_smem) two W tiles, then the x ring."""
-    return _tiled_plan(GEMM9_KERNELS[layouts[0].fmt], layouts, biases, WARPS, 2, m_tiles, GEMM9_RESIDENT * n_sm,
-                       2 * GEMM9_W_BYTES + GEMM9_STAGES * GEMM9_ROWS * GEMM_XS * 2)
-
-
-def _tiled_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None], strips_per_block: int,
-                groups: int, m_tiles: int, slots: int, tile_bytes: int) -> Plan:
-    """A GEMM launch of col_blocks (strips_per_block strips each) x m_tiles x splits blocks per part, K split into
-    as many parts as fit one wave of `slots` blocks; dynamic shared memory: the longest split's chunk_meta, then
-    tile_bytes from ring_smem."""
-    tiles = sum(-(-lay.strips // strips_per_block) * m_tiles for lay in layouts)
-    want = slots // tiles                          # rounded down: a second, nearly empty wave costs a whole one
+    tiles = sum(-(-lay.strips // (WARPS // groups)) * m_tiles for lay in layouts)
+    want = GEMM_RESIDENT * n_sm // tiles           # rounded down: a second, nearly empty wave costs a whole one
     splits = [max(1, min(want, len(lay.chunk_bits) // GEMM_MIN_CHUNKS, MAX_SPLITS)) for lay in layouts]
     p = np.zeros((), PARAMS_DTYPE)
-    blocks, ws, starts_all = _fill_parts(p, layouts, biases, [None] * len(layouts), splits, strips_per_block, m_tiles,
+    blocks, ws, starts_all = _fill_parts(p, layouts, biases, [None] * len(layouts), splits, WARPS // groups, m_tiles,
                                          1)
     p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, groups, m_tiles
     chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
     p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
-    return Plan(kernel, blocks, int(p["ring_smem"]) + tile_bytes, p, ws)
+    smem = int(p["ring_smem"]) + GEMM_STAGES * GEMM_WARP_ROWS * groups * GEMM_XS * 2
+    return Plan(GEMM_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
 
 def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
@@ -501,8 +466,7 @@ class QuantMatmul:
         if not 1 <= len(layouts) <= MAX_PARTS or len({(lay.fmt, lay.k) for lay in layouts}) != 1:
             raise ValueError(f"one launch takes 1 to {MAX_PARTS} weights of one format and K")
         device = layouts[0].words.device
-        props = torch.cuda.get_device_properties(device)
-        n_sm = props.multi_processor_count
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
         self.layouts = layouts
         self.biases = [None if b is None else b[:lay.n].to(device, torch.float16).contiguous()
                        for lay, b in zip(layouts, biases)]
@@ -513,12 +477,6 @@ class QuantMatmul:
         self.dequant_plans = [plan_dequant(lay, n_sm) for lay in layouts]
         shapes = {gemm_shape(rows) for rows in range(LARGE_M, GEMM_ROWS_LIMIT + 1)}
         self.gemm_plans = {shape: plan_gemm(layouts, self.biases, shape, n_sm) for shape in shapes}
-        # v9 from gemm9_min_m rows (None: v9 off), the GEMM up to gemm_max_m rows (GEMM_V9 above)
-        v9 = bool(GEMM_V9) and (props.major, props.minor) >= GEMM9_MIN_CC
-        self.gemm9_min_m = GEMM_V9_MIN_M if v9 else None
-        self.gemm_max_m = GEMM_V9_MAX_M if v9 else GEMM_MAX_M
-        m_tiles = {gemm9_m_tiles(rows) for rows in range(GEMM_V9_MIN_M, GEMM_ROWS_LIMIT + 1)} if v9 else set()
-        self.gemm9_plans = {t: plan_gemm9(layouts, self.biases, t, n_sm) for t in m_tiles}
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -537,10 +495,10 @@ class QuantMatmul:
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
 
     def _path(self, rows: int):
-        """The method that multiplies `rows` rows of x (LARGE_M, gemm_max_m)."""
+        """The method that multiplies `rows` rows of x (LARGE_M, GEMM_MAX_M)."""
         if rows < LARGE_M:
             return self._small
-        return self._gemm if rows <= self.gemm_max_m else self._dequant_matmul
+        return self._gemm if rows <= GEMM_MAX_M else self._dequant_matmul
 
     def _small(self, x: Tensor) -> list[Tensor]:
         m = x.shape[0]
@@ -563,17 +521,11 @@ class QuantMatmul:
             self.ws1 = torch.empty(plan.ws_floats, dtype=torch.float32, device=device)
         return self.ws1
 
-    def gemm_plan(self, rows: int) -> Plan:
-        """The GEMM launch _gemm makes for `rows` rows of x: v9 from gemm9_min_m rows, else v8."""
-        if self.gemm9_min_m is not None and rows >= self.gemm9_min_m:
-            return self.gemm9_plans[gemm9_m_tiles(rows)]
-        return self.gemm_plans[gemm_shape(rows)]
-
     def _gemm(self, x: Tensor) -> list[Tensor]:
-        """The tiled GEMM (quant_matmul.cu GEMM KERNELS, or GEMM V9 KERNELS), for up to GEMM_ROWS_LIMIT rows; its
-        split partials, if any, summed by a second launch."""
+        """The tiled GEMM (quant_matmul.cu GEMM KERNELS), for up to GEMM_ROWS_LIMIT rows; its split partials, if
+        any, summed by a second launch."""
         m = x.shape[0]
-        plan = self.gemm_plan(m)
+        plan = self.gemm_plans[gemm_shape(m)]
         xs = self._stored_order(x, plan)
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))

@@ -208,24 +208,12 @@ def test_gemm_warps_cover_every_row_once_within_their_registers(row_groups, monk
         assert shape[0] == (1 if rows <= qm.GEMM_WARP_ROWS else qm.GEMM_ROW_GROUPS)
 
 
-@pytest.mark.parametrize("gemm_max_m", [qm.GEMM_MAX_M, qm.GEMM_V9_MAX_M])
-def test_forward_picks_the_path_from_the_rows_alone(gemm_max_m):
-    paths = SimpleNamespace(_small="small", _gemm="gemm", _dequant_matmul="dequant", gemm_max_m=gemm_max_m)
+def test_forward_picks_the_path_from_the_rows_alone():
+    paths = SimpleNamespace(_small="small", _gemm="gemm", _dequant_matmul="dequant")
     picked = {rows: qm.QuantMatmul._path(paths, rows) for rows in range(1, 600)}
     assert {r for r, p in picked.items() if p == "small"} == set(range(1, qm.LARGE_M))
-    assert {r for r, p in picked.items() if p == "gemm"} == set(range(qm.LARGE_M, gemm_max_m + 1))
-    assert gemm_max_m <= qm.GEMM_ROWS_LIMIT
-
-
-@pytest.mark.parametrize("v9,min_m", [(False, 17), (True, 17), (True, 97)])
-def test_gemm_plan_is_v9_from_its_row_count_when_switched_on(v9, min_m):
-    """gemm_plan as QuantMatmul.__init__ sets it up (its plans stand in for real ones: only the choice is checked)."""
-    f = SimpleNamespace(gemm9_min_m=min_m if v9 else None, gemm_plans={s: ("v8", s) for s in
-                        {qm.gemm_shape(r) for r in range(qm.LARGE_M, qm.GEMM_ROWS_LIMIT + 1)}},
-                        gemm9_plans={t: ("v9", t) for t in {qm.gemm9_m_tiles(r) for r in range(min_m, 513)}})
-    for rows in range(qm.LARGE_M, qm.GEMM_ROWS_LIMIT + 1):
-        plan = qm.QuantMatmul.gemm_plan(f, rows)
-        assert plan == (("v9", qm.gemm9_m_tiles(rows)) if v9 and rows >= min_m else ("v8", qm.gemm_shape(rows)))
+    assert {r for r, p in picked.items() if p == "gemm"} == set(range(qm.LARGE_M, qm.GEMM_MAX_M + 1))
+    assert qm.GEMM_MAX_M <= qm.GEMM_ROWS_LIMIT
 
 
 @pytest.mark.parametrize("rows", [17, 64, 65, 208, 256, 512])
@@ -237,7 +225,17 @@ def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
     groups, m_tiles = shape
     assert (int(p["row_groups"]), int(p["m_tiles"]), int(p["n_parts"]), int(p["K"])) == (groups, m_tiles, 2, 4128)
     assert plan.kernel == "exl2_gemm"
-    check_gemm_parts(plan, lays, qm.WARPS // groups, m_tiles)
+    block0 = ws = 0
+    for i, lay in enumerate(lays):
+        part = p["part"][i]
+        n, col_blocks = int(part["n_splits"]), int(part["col_blocks"])
+        assert col_blocks == -(-lay.strips // (qm.WARPS // groups))
+        assert 1 <= n <= qm.MAX_SPLITS and len(lay.chunk_bits) // n >= qm.GEMM_MIN_CHUNKS
+        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
+        assert int(part["block0"]) == block0 and int(part["ws_offset"]) == ws
+        block0 += col_blocks * m_tiles * n
+        ws += n * lay.np_ if n > 1 else 0
+    assert plan.blocks == block0 and plan.ws_floats == ws
     slots, tiles = qm.GEMM_RESIDENT * 132, plan.blocks // int(p["part"][0]["n_splits"])
     assert plan.blocks <= max(slots, tiles)                       # one wave, unless the tiles alone take more
     assert plan.blocks + tiles > slots or all(                    # and as full as the split limits allow
@@ -246,51 +244,6 @@ def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
                                                            p["part"][i]["split_chunk"][1:]) if b > a)
     assert int(p["ring_smem"]) % 16 == 0 and int(p["ring_smem"]) >= 8 * longest
     assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * 64 * groups * qm.GEMM_XS * 2 <= 99 * 1024
-
-
-def check_gemm_parts(plan, lays, strips_per_block: int, m_tiles: int) -> None:
-    """A GEMM plan's parts: column tiles of strips_per_block strips, splits within their limits, blocks and fp32
-    partials laid out part after part."""
-    block0 = ws = 0
-    for i, lay in enumerate(lays):
-        part = plan.params["part"][i]
-        n, col_blocks = int(part["n_splits"]), int(part["col_blocks"])
-        assert col_blocks == -(-lay.strips // strips_per_block)
-        assert 1 <= n <= qm.MAX_SPLITS and len(lay.chunk_bits) // n >= qm.GEMM_MIN_CHUNKS
-        assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
-        assert int(part["block0"]) == block0 and int(part["ws_offset"]) == ws
-        block0 += col_blocks * m_tiles * n
-        ws += n * lay.np_ if n > 1 else 0
-    assert plan.blocks == block0 and plan.ws_floats == ws
-
-
-def test_gemm9_warps_cover_every_row_once_within_their_registers():
-    """v9 blocks: two row groups of warps over M tiles of at most GEMM9_ROWS rows (Gemm9Tile)."""
-    for rows in range(1, qm.GEMM_ROWS_LIMIT + 1):
-        m_tiles = qm.gemm9_m_tiles(rows)
-        tiles = gemm_warp_tiles(rows, (2, m_tiles))
-        assert sorted(t for warp in tiles for t in warp) == list(range(-(-rows // 16))), rows
-        assert max(len(warp) for warp in tiles) * 16 <= qm.GEMM_WARP_ROWS, rows
-        assert 2 * qm.GEMM_WARP_ROWS == qm.GEMM9_ROWS
-
-
-@pytest.mark.parametrize("rows", [17, 64, 128, 129, 208, 256, 512])
-def test_gemm9_plans_split_k_to_fill_the_gpu_within_limits(rows):
-    lays = [qm.exl2_layout(synthetic.random_exl2(4128, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (517, 96)]
-    m_tiles = qm.gemm9_m_tiles(rows)
-    plan = qm.plan_gemm9(lays, [None, None], m_tiles, n_sm=132)
-    p = plan.params
-    assert plan.kernel == "exl2_gemm9" and (int(p["m_tiles"]), int(p["n_parts"])) == (m_tiles, 2)
-    check_gemm_parts(plan, lays, qm.WARPS, m_tiles)                  # 256-column tiles
-    tiles = plan.blocks // int(p["part"][0]["n_splits"])
-    assert plan.blocks <= max(qm.GEMM9_RESIDENT * 132, tiles)    # one wave of 1 block per SM
-    longest = max(b - a for i in range(2) for a, b in zip(p["part"][i]["split_chunk"][:-1],
-                                                           p["part"][i]["split_chunk"][1:]) if b > a)
-    assert int(p["ring_smem"]) % 16 == 0 and int(p["ring_smem"]) >= 8 * longest
-    # two W tiles (8 strips x 32 x 32 fp16), then the x ring of 128-row slots; within the H200's 227 KB per block
-    assert qm.GEMM9_W_BYTES == qm.WARPS * 32 * 32 * 2
-    assert plan.smem == int(p["ring_smem"]) + 2 * qm.GEMM9_W_BYTES + qm.GEMM9_STAGES * 128 * qm.GEMM_XS * 2
-    assert plan.smem <= 100 * 1024
 
 
 def test_gemm_ring_rows_are_bank_conflict_free():
@@ -552,21 +505,16 @@ GEMM_ROWS = [17, 33, 47, 64, 100, 129, 208, 256, 300]
 
 
 def check_gemm(weights: list, m: int, biases: list, seed: int = 0, splits: str = "any") -> list[torch.Tensor]:
-    """The GEMM (for m <= gemm_max_m asserted to be the path forward takes; above, called directly: it is planned
+    """The GEMM (for m <= GEMM_MAX_M asserted to be the path forward takes; above, called directly: it is planned
     up to GEMM_ROWS_LIMIT rows) of one or more fused weights against the reference, twice on poisoned memory;
-    returns the outputs. The v9 kernels from GEMM_V9_MIN_M rows when QMM_GEMM_V9=1 (asserted), else v8. splits:
-    "one" / "several" asserts the plan's K split."""
+    returns the outputs. splits: "one" / "several" asserts the plan's K split."""
     gen = torch.Generator().manual_seed(seed)
     k = weights[0].in_features
     x = torch.randn(m, k, generator=gen).half()
     fs = [qm.prepare(w.to(torch.device("cuda")), None if b is None else b.cuda()) for w, b in zip(weights, biases)]
     f = fs[0] if len(fs) == 1 else qm.fuse(fs)
-    assert (f._path(m) == f._gemm) == (m <= f.gemm_max_m)
-    plan = f.gemm_plan(m)
-    v9_on = bool(qm.GEMM_V9) and torch.cuda.get_device_capability() >= qm.GEMM9_MIN_CC
-    assert (f.gemm9_min_m is not None) == v9_on
-    v9 = v9_on and m >= qm.GEMM_V9_MIN_M
-    assert plan.kernel == (qm.GEMM9_KERNELS if v9 else qm.GEMM_KERNELS)[f.layouts[0].fmt]
+    assert (f._path(m) == f._gemm) == (m <= qm.GEMM_MAX_M)
+    plan = f.gemm_plans[qm.gemm_shape(m)]
     n_splits = [int(part["n_splits"]) for part in plan.params["part"][:len(weights)]]
     assert splits == "any" or (max(n_splits) == 1) == (splits == "one"), n_splits
     for _ in range(2):
@@ -647,9 +595,9 @@ def test_gemm_agrees_with_dequant_and_cublas(m):
 
 @on_gpu
 def test_rows_past_gemm_max_m_go_to_dequant_and_cublas():
+    m = qm.GEMM_MAX_M + 1
     w = synthetic.random_exl2(416, 96, "4b_128g", seed=9)
     f = qm.prepare(w.to(torch.device("cuda")), None)
-    m = f.gemm_max_m + 1
     assert f._path(m) == f._dequant_matmul and f._path(m - 1) == f._gemm
     check_matmul(w, m, bias=True)
 
