@@ -45,8 +45,9 @@ ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-ro
 # against a GEMM roofline of the weight read (~7 us). (Before the GEMM, LARGE_M was 32 and the rows from there went
 # to dequant + cuBLAS, 82 us for any M up to 64: NOTES-matmul.md.) Measured at 4096 x 14336: 24 rows 41 us (two
 # passes 63), 32 rows 42 (76); at 16 rows the GEMM was faster on 3 of 4 shapes too (4096 x 4096 20 vs 28 us, but
-# 4096 x 14336 40 vs 38), not yet tried in whole steps.
-LARGE_M = 17
+# 4096 x 14336 40 vs 38), and in whole steps 16 jobs of the 8B shape decode at 2,465 tok/s against 2,301 with
+# LARGE_M = 17 (H200, bench_generation.py, same call).
+LARGE_M = 16
 # Up to this many rows the tiled GEMM; above, dequantize + cuBLAS. Measured (H200, bench_matmul.py --gemm, 4.0 bpw,
 # us GEMM / dequant + cuBLAS): 64 rows 49 / 85 at 4096 x 14336, 55 / 87 at 14336 x 4096, 24 / 25 at 4096 x 4096;
 # 128 rows 90 / 86, 88 / 89, 33 / 30; 208 rows 157 / 90 (the GEMM runs mma.sync at ~150-190 TFLOP/s): the
