@@ -9,6 +9,8 @@ variant may also edit a constexpr into a macro first). Also a plain eager driver
         --m 32,64,96,128,208   # the tiled GEMM beside dequant + cuBLAS (GEMM_MAX_M)
     ncu --kernel-name regex:exl2_matmul_m1 --launch-skip 4 --launch-count 1 python benchmarks/tune_matmul.py \
         --eager 4096x14336
+    ncu --kernel-name exl2_gemm --launch-skip 4 --launch-count 1 --section WarpStateStats --section SourceCounters \
+        python benchmarks/tune_matmul.py --eager 4096x14336 --m 208 --gemm     # the tiled GEMM's stalls
 """
 from __future__ import annotations
 
@@ -110,7 +112,8 @@ def main() -> None:
     ap.add_argument("--plan-blocks", default="", help="M1 blocks per SM the planner assumes, e.g. 1,2 (timed each)")
     ap.add_argument("--set", default="", help="planner constants of quant_matmul.py to time, e.g. "
                     "MAX_SPLIT_ROWS=64,MAX_SPLIT_ROWS=256 ('+' between several in one variant)")
-    ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times (for ncu)")
+    ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times on the first "
+                    "--m rows, the GEMM path with --gemm (for ncu)")
     ap.add_argument("--gemm", action="store_true", help="time the GEMM path (_gemm) at every --m, with dequant + "
                     "cuBLAS beside it (e.g. --set GEMM_ROW_GROUPS=1,GEMM_ROW_GROUPS=2)")
     args = ap.parse_args()
@@ -119,10 +122,11 @@ def main() -> None:
         k, n = map(int, args.eager.split("x"))
         gen = torch.Generator(device="cuda").manual_seed(0)
         fs = [qm.prepare(exl2_weight(k, n, "4b_128g", gen), None) for _ in range(4)]
-        x = torch.randn(1, k, device="cuda").half()
+        m = int(args.m.split(",")[0])
+        x = torch.randn(m, k, device="cuda").half()
         for _ in range(3):
             for f in fs:
-                f(x)
+                f._gemm(x) if args.gemm else f(x)
         torch.cuda.synchronize()
         return
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
