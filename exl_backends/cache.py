@@ -120,6 +120,13 @@ class KVCache:
             q, s = reference.quantize_kv(x.reshape(x.shape[0], -1), bits)
             codes[slots], scales[slots] = q, s
 
+    def copy(self, source: int, target: int, n: int) -> None:
+        """Slots source.. source + n - 1 into target.., in every layer (a shared prefix's head into a job's page)."""
+        for c in self.layers:
+            for t in (c.k, c.v, c.k_scales, c.v_scales):
+                if t is not None:
+                    t[target:target + n].copy_(t[source:source + n])
+
     def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The K, V [L, Hkv, Dh] stored at slots, dequantized (reference path)."""
         c = self.layers[layer]

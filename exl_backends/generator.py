@@ -78,7 +78,9 @@ class Generator:
                                                                   self.runner)
         self.ngram = ngram_draft
         n_draft = n_draft_tokens if self.draft is not None or ngram_draft else 0
-        self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft)
+        # a page head a prompt reuses is copied here; tensor parallelism's other ranks could not mirror the copy
+        self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft,
+                                   copy_heads=isinstance(model.model, Model))
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -248,6 +250,7 @@ class Generator:
             plan = self.scheduler.schedule()
             if not plan:
                 return False
+            self._copy_heads()
             drafts = self._propose([(job, width - 1) for job, width in plan if width > 1 and job.is_decoding])
             chunks = [self._chunk(job, width, drafts) for job, width in plan]
             rows = logit_rows(plan, chunks)
@@ -267,6 +270,15 @@ class Generator:
         self._ahead = self._launch_next(step) if live and self._can_look_ahead(live, 1) else None
         self._take_tokens(step.plan, step.chunks, step.rows, step.logits, {}, step.tokens())
         return True
+
+    def _copy_heads(self) -> None:
+        """The cached page heads that newly admitted prompts reuse, copied into their own pages (the draft
+        model's cache too: it shares the page table)."""
+        caches = [self.cache] + ([self.draft.cache] if self.draft is not None else [])
+        for source, page, n in self.scheduler.copies:
+            for cache in caches:
+                cache.copy(source * self.page_size, page * self.page_size, n)
+        self.scheduler.copied()
 
     def _can_look_ahead(self, jobs: list[Job], ahead: int) -> bool:
         """Whether the step after a launched one can go now, `ahead` tokens past each job's last committed one

@@ -109,16 +109,70 @@ def test_prefix_reuse_computes_the_prefix_once(tiny):
     assert sum(x.input_ids.numel() for x in batches) == len(a) + 7 and first.usage.cached_tokens == 0
     batches.clear()
     second = gen.generate(b, max_new_tokens=8, stop_token_ids=[])
-    shared = 48                                    # the 3 full pages of 16 inside the 50-token prefix
+    shared = 50             # 3 full pages of 16, and the head of the 4th (2 tokens) copied into b's own page
     assert second.usage.cached_tokens == shared
     assert sum(x.input_ids.numel() for x in batches) == len(b) - shared + 7
     assert second.token_ids == alone(model, b, max_new_tokens=8)
-    # the next turn of a conversation reuses the finished job's generated tokens too
+    # the next turn of a conversation reuses the finished job's generated tokens too, its partly filled last page
+    # included: every token whose K/V the first job computed
     batches.clear()
     turn = a + first.token_ids + [5, 6, 7]
     third = gen.generate(turn, max_new_tokens=8, stop_token_ids=[])
-    assert third.usage.cached_tokens == (len(a) + 7) // PAGE * PAGE == 64
+    assert third.usage.cached_tokens == len(a) + 7 == 67
+    assert sum(x.input_ids.numel() for x in batches) == len(turn) - 67 + 7
     assert third.token_ids == alone(model, turn, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q4"])
+def test_prompts_parting_mid_page_copy_the_common_head(tiny, tmp_path, mode):
+    """A prompt that leaves a cached page part-way takes that page's matching head (K/V, and the scales of a
+    quantized cache) as a copy in its own page; a head shorter than page_size // 8 is computed again."""
+    model, _ = tiny
+    if mode != "fp16":          # q4 needs 64-wide K/V rows: 4 kv heads of 16
+        save_tiny(tmp_path, tiny_config("llama", num_key_value_heads=4))
+        model = ExlForCausalLM.from_pretrained(tmp_path, device="cpu", cache_mode=mode)
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(0, 509, (60,), generator=g).tolist()
+    gen = make(model)
+    gen.generate(a, max_new_tokens=4, stop_token_ids=[])
+    batches = counting(gen)
+    for common, cached in ((41, 41), (33, 32)):    # 2 full pages + 9 tokens of the 3rd; + 1 token: too few
+        b = a[:common] + [(a[common] + 1) % 509] + a[common + 1:50]
+        result = gen.generate(b, max_new_tokens=6, stop_token_ids=[])
+        assert result.usage.cached_tokens == cached
+        assert result.token_ids == make(model).generate(b, max_new_tokens=6, stop_token_ids=[]).token_ids
+    assert sum(x.input_ids.numel() for x in batches) == (50 - 41 + 5) + (50 - 32 + 5)
+    assert gen.pages.n_available == gen.capacity_pages and not gen.scheduler.copies
+
+
+def test_a_head_is_copied_only_when_its_page_can_be_held(tiny):
+    """The page a head is copied from is held from admission to the copy. A job that needs every page but the
+    ones it shares cannot also hold it: it computes the head instead (the source page is evicted for it); with
+    one page more it copies. The output is the same either way."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(8)
+    a = torch.randint(0, 509, (40,), generator=g).tolist()
+    for pages, cached in ((5, 32), (6, 43)):
+        gen = make(model, cache_tokens=pages * PAGE)
+        first = gen.generate(a, max_new_tokens=4, stop_token_ids=[])    # pages 0, 1 full, page 2 holds 11 tokens
+        turn = a + first.token_ids[:3] + [9, 8, 7]
+        result = gen.generate(turn, max_new_tokens=30, stop_token_ids=[])   # 76 tokens: 5 pages
+        assert result.usage.cached_tokens == cached
+        assert result.token_ids == alone(model, turn, max_new_tokens=30)
+
+
+def test_speculative_jobs_copy_heads_into_both_caches(tiny):
+    """A draft model shares the page table: a copied head lands in its cache too, so drafting stays exact."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(9)
+    a = torch.randint(0, 509, (40,), generator=g).tolist()
+    gen = make(model, draft_model=model)
+    first = gen.generate(a, max_new_tokens=5, stop_token_ids=[])
+    turn = a + first.token_ids + [3, 4]
+    result = gen.generate(turn, max_new_tokens=12, stop_token_ids=[])
+    # a head of page 2 was copied: up to the tokens both caches hold (the draft's may lag the target's by one)
+    assert 2 * PAGE < result.usage.cached_tokens <= len(a) + 4
+    assert result.token_ids == alone(model, turn, max_new_tokens=12)
 
 
 def test_cached_pages_are_evicted_when_memory_is_needed(tiny):

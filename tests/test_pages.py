@@ -45,3 +45,24 @@ def test_a_prefix_computed_twice_is_registered_once():
     pages.release(first)
     pages.release(second)
     assert pages.match([h]) == first and pages.pool.n_free == 3
+
+
+def test_followers_give_the_longest_matching_head_and_go_with_their_page():
+    pages = PageManager(PagePool(4), page_size=4)
+    hashes = page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, 2, [])
+    job = pages.allocate(3)
+    pages.register(job[0], hashes[0], b"", (1, 2, 3, 4))
+    pages.register(job[1], hashes[1], hashes[0], (5, 6, 7, 8))
+    pages.register_partial(job[2], hashes[1], (9, 10))
+    other = pages.allocate(1)
+    pages.register_partial(other[0], hashes[1], (9, 11, 12))
+    assert pages.follower(hashes[0], [5, 6, 0]) == (job[1], 2)              # parting inside a full page
+    assert pages.follower(hashes[1], [9, 10, 13]) == (job[2], 2)
+    assert pages.follower(hashes[1], [9, 11, 12, 14]) == (other[0], 3)
+    assert pages.follower(hashes[1], [8]) == (None, 0) and pages.follower(b"x", [9]) == (None, 0)
+    pages.release(job + other)                  # partial pages stay cached like full ones, then go oldest first
+    assert pages.pool.n_free == 0 and pages.n_available == 4
+    assert pages.allocate(1) == [job[0]]
+    assert pages.match(hashes) == [] and pages.follower(b"", [1]) == (None, 0)
+    assert pages.allocate(2) == [job[1], job[2]]
+    assert pages.follower(hashes[1], [9, 10]) == (other[0], 1)
