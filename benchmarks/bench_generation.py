@@ -86,10 +86,14 @@ def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile
 
 # ---- time to first token with a cached prefix ----------------------------------------------------------------------
 
-def first_token_s(gen: Generator, prompt: list[int]) -> float:
+def first_token_s(gen: Generator, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first token, and how many prompt tokens came from the prefix cache."""
     t0 = time.perf_counter()
-    next(iter(gen.submit(prompt, max_new_tokens=1, sampling=GREEDY)))
-    return time.perf_counter() - t0
+    job = gen.submit(prompt, max_new_tokens=1, sampling=GREEDY)
+    chunks = [next(job)]
+    seconds = time.perf_counter() - t0
+    chunks += list(job)
+    return seconds, chunks[-1].usage.cached_tokens
 
 
 def ttft(lm, prompt_len: int, prefix_len: int, rounds: int) -> dict:
@@ -99,12 +103,11 @@ def ttft(lm, prompt_len: int, prefix_len: int, rounds: int) -> dict:
     for r in range(rounds + 1):     # round 0 warms up
         prefix, tail_a, tail_b, fresh = random_prompts(4, prompt_len, vocab, seed=3000 + r)
         first_token_s(gen, prefix[:prefix_len] + tail_a[prefix_len:])      # computes (and caches) the prefix
-        w = first_token_s(gen, prefix[:prefix_len] + tail_b[prefix_len:])
-        c = first_token_s(gen, fresh)
+        w, cached = first_token_s(gen, prefix[:prefix_len] + tail_b[prefix_len:])
+        c, _ = first_token_s(gen, fresh)
         if r:
             warm.append(w)
             cold.append(c)
-    cached = (prefix_len // lm.page_size) * lm.page_size
     return dict(prompt=prompt_len, prefix=prefix_len, reused_tokens=cached, cold_ms=1000 * min(cold),
                 cached_ms=1000 * min(warm), speedup=min(cold) / min(warm))
 

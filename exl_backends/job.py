@@ -232,6 +232,9 @@ class Job:
     def result(self) -> Completion:
         """Runs the job to its end and returns its whole output (call it instead of iterating the job)."""
         chunks = list(self)
+        if not chunks:
+            raise RuntimeError("result() found no output left: this job's chunks were already taken by iterating "
+                               "it; call result() instead of iterating, or keep the chunks you iterate")
         last = chunks[-1]
         logprobs = [lp for c in chunks for lp in c.logprobs] if self.n_logprobs else None
         return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],

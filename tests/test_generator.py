@@ -444,3 +444,11 @@ def test_regex_constraint_holds(tiny, sampling):
         r = gen.generate(prompt, max_new_tokens=20, regex=pattern, sampling=sampling)
         assert re.fullmatch(pattern, r.text), r.text
         assert r.finish_reason == "stop"
+
+
+def test_result_after_iterating_says_the_chunks_were_taken(tiny):
+    model, _ = tiny
+    job = make(model).submit([1, 2, 3], max_new_tokens=3, stop_token_ids=[])
+    assert len([t for chunk in job for t in chunk.token_ids]) == 3
+    with pytest.raises(RuntimeError, match="already taken by iterating"):
+        job.result()
