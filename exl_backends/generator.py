@@ -78,9 +78,7 @@ class Generator:
                                                                   self.runner)
         self.ngram = ngram_draft
         n_draft = n_draft_tokens if self.draft is not None or ngram_draft else 0
-        # a page head a prompt reuses is copied here; tensor parallelism's other ranks could not mirror the copy
-        self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft,
-                                   copy_heads=isinstance(model.model, Model))
+        self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft)
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -274,10 +272,11 @@ class Generator:
     def _copy_heads(self) -> None:
         """The cached page heads that newly admitted prompts reuse, copied into their own pages (the draft
         model's cache too: it shares the page table)."""
-        caches = [self.cache] + ([self.draft.cache] if self.draft is not None else [])
+        ps = self.page_size
         for source, page, n in self.scheduler.copies:
-            for cache in caches:
-                cache.copy(source * self.page_size, page * self.page_size, n)
+            self.model.model.copy_slots(self.cache, source * ps, page * ps, n)
+            if self.draft is not None:
+                self.draft.cache.copy(source * ps, page * ps, n)
         self.scheduler.copied()
 
     def _can_look_ahead(self, jobs: list[Job], ahead: int) -> bool:

@@ -110,6 +110,10 @@ class Model:
         c = self.config
         return Rope(c.rope, c.head_dim, device), None if c.local_rope is None else Rope(c.local_rope, c.head_dim, device)
 
+    def copy_slots(self, cache: KVCache, source: int, target: int, n: int) -> None:
+        """cache.copy(source, target, n) (under tensor parallelism also on the other ranks' mirrors of cache)."""
+        cache.copy(source, target, n)
+
     def decode_graphs(self, cache: KVCache, max_pages: int, trash_page: int):
         """This model's captured decode steps over cache, by batch size (runner.Runner replays them)."""
         from .runner import DecodeGraphs        # runner builds on this module

@@ -17,16 +17,14 @@ from .pages import PageManager, page_hashes
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, max_batch_size: int, max_step_tokens: int, n_draft: int,
-                 copy_heads: bool = True):
-        """copy_heads: whether a prompt may take the matching head of a cached page (its caller can copy)."""
+    def __init__(self, pages: PageManager, max_batch_size: int, max_step_tokens: int, n_draft: int):
         self.pages, self.page_size = pages, pages.page_size
         self.max_batch_size, self.max_step_tokens, self.n_draft = max_batch_size, max_step_tokens, n_draft
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         # a page head is copied when it saves at least this many tokens: fewer cost less to compute again than
         # the copies (a few per layer)
-        self.min_head = max(1, self.page_size // 8) if copy_heads else self.page_size
+        self.min_head = max(1, self.page_size // 8)
         self.heads: dict[Job, tuple[int, int]] = {}         # admitted this step: (cached source page, tokens)
         self.copies: list[tuple[int, int, int]] = []        # (source page, the job's page, tokens) to copy now
 

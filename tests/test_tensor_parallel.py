@@ -242,6 +242,42 @@ def test_decode_graph_steps_are_mirrored_on_every_rank(dirs, tmp_path):
     assert "tensor parallel over 2 GPUs" in got["bench"] and "decode ctx 16" in got["bench"]
 
 
+def head_copy(m, copy) -> torch.Tensor:
+    """A 40-token prompt over pages 0-2 (16 slots each), page 2's 8 tokens copied into page 3 by copy(cache,
+    source slot, target slot, n), then 6 more tokens over pages 0, 1, 3: their logits."""
+    tokens = torch.randint(0, 500, (46,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = KVCache(m.config, 5, 16, "q8", dtype=torch.float32)
+    m.forward(Batch.build([SeqChunk(tokens[:40], 0, [0, 1, 2])], 16), cache)
+    copy(cache, 2 * 16, 3 * 16, 8)
+    return m.forward(Batch.build([SeqChunk(tokens[40:], 40, [0, 1, 3])], 16, all_logits=True), cache)
+
+
+def copy_worker(rank: int, world: int, init_method: str, path: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    me, channel = parallel.join_group(rank, world, "cpu", init_method)
+    local = parallel.load_shard(path, me, torch.float32)
+    if rank != 0:
+        parallel.follow(local, channel)
+        torch.distributed.destroy_process_group()
+        return
+    tp = parallel.TensorParallelModel(local, channel)
+    torch.save(head_copy(tp, tp.copy_slots), out_file)
+    tp.close()
+
+
+def test_copied_page_heads_are_mirrored_on_every_rank(dirs, tmp_path):
+    """A prefix's page head copied on rank 0 is copied on rank 1's mirror too (else its half of every head would
+    attend to empty slots): the logits equal one process computing the prompt whole."""
+    out_file = str(tmp_path / "rank0.pt")
+    run_ranks(copy_worker, (str(dirs["exl2"]), out_file))
+    one = Model.load(dirs["exl2"])
+    tokens = torch.randint(0, 500, (46,), generator=torch.Generator().manual_seed(3)).tolist()
+    whole = one.forward(Batch.build([SeqChunk(tokens, 0, [0, 1, 2])], 16, all_logits=True),
+                        KVCache(one.config, 3, 16, "q8", dtype=torch.float32))[40:]
+    torch.testing.assert_close(torch.load(out_file), whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head_copy(one, one.copy_slots), whole, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------- memory plan
 
 

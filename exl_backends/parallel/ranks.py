@@ -35,10 +35,10 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 # ----------------------------------------------------------------------------------------------- rank 0 and the rest
 
-FORWARD, REPLAY, STOP = 1, 2, 3
+FORWARD, REPLAY, STOP, COPY = 1, 2, 3, 4
 # the header: command; the cache (id, pages, page size, mode); the batch (tokens, sequences, page-table width,
 # logit rows or -1: all, row_seq entries); how many freed cache ids come before the batch; for REPLAY the graph
-# (batch size, tokens per sequence, page-table width, trash page)
+# (batch size, tokens per sequence, page-table width, trash page); for COPY (source slot, target slot, slots), no batch
 HEADER = 15
 MODES = list(CACHE_MODES)
 
@@ -67,7 +67,9 @@ class Channel:
 
 def _payload_size(h: list[int]) -> int:
     cmd, _, _, _, _, t, b, width, rows, freed, n_row_seq = h[:11]
-    return 0 if cmd == STOP else 8 * (freed + 3 * t + max(rows, 0)) + 4 * (2 * b + 1 + b * width + n_row_seq)
+    if cmd in (STOP, COPY):
+        return 8 * freed
+    return 8 * (freed + 3 * t + max(rows, 0)) + 4 * (2 * b + 1 + b * width + n_row_seq)
 
 
 def _pack(batch: Batch, freed: list[int]) -> Tensor:
@@ -78,9 +80,11 @@ def _pack(batch: Batch, freed: list[int]) -> Tensor:
     return torch.cat([torch.tensor(freed, dtype=torch.int64).view(torch.uint8), batch.host])
 
 
-def _unpack(h: list[int], payload: Tensor, device: torch.device) -> tuple[Batch, list[int]]:
-    _, _, _, page_size, _, t, b, width, rows, freed, n_row_seq = h[:11]
+def _unpack(h: list[int], payload: Tensor, device: torch.device) -> tuple[Batch | None, list[int]]:
+    cmd, _, _, page_size, _, t, b, width, rows, freed, n_row_seq = h[:11]
     free, data = payload.split([8 * freed, payload.numel() - 8 * freed])
+    if cmd == COPY:
+        return None, free.view(torch.int64).tolist()
     ints = data[8 * (3 * t + max(rows, 0)):].view(torch.int32)
     host_lengths = (ints[:b + 1].tolist(), ints[b + 1:2 * b + 1].tolist())
     batch = Batch.unpack(upload(data, device), t, b, width, None if rows < 0 else rows, n_row_seq, page_size,
@@ -112,9 +116,26 @@ class TensorParallelModel:
         self._graphs.add(graphs)
         return AnnouncedGraphs(self, graphs)
 
+    def copy_slots(self, cache: KVCache, source: int, target: int, n: int) -> None:
+        """cache.copy(source, target, n) on every rank's mirror of cache."""
+        cid, freed = self._cache_id(cache)
+        header = [COPY, cid, cache.pool.n_pages, cache.page_size, MODES.index(cache.mode), 0, 0, 0, 0, len(freed), 0,
+                  source, target, n, 0]
+        self.channel.send(header, torch.tensor(freed, dtype=torch.int64).view(torch.uint8))
+        cache.copy(source, target, n)
+
     def announce(self, cache: KVCache, batch: Batch, graph: tuple[int, int, int, int] | None = None) -> None:
         """Tells the other ranks to run batch over their mirror of cache: eagerly, or (graph = (batch size, tokens
         per sequence, page-table width, trash page)) by replaying their graph of that step."""
+        cid, freed = self._cache_id(cache)
+        rows = -1 if batch.logit_rows is None else batch.logit_rows.numel()
+        header = [FORWARD if graph is None else REPLAY, cid, cache.pool.n_pages, cache.page_size,
+                  MODES.index(cache.mode), batch.input_ids.numel(), batch.n_seqs, batch.block_tables.shape[1], rows,
+                  len(freed), 0 if batch.row_seq is None else batch.row_seq.numel(), *(graph or (0, 0, 0, 0))]
+        self.channel.send(header, _pack(batch, freed))
+
+    def _cache_id(self, cache: KVCache) -> tuple[int, list[int]]:
+        """The id the followers know cache by, and the ids of caches collected since the last announcement."""
         cid = self._ids.get(cache)
         if cid is None:
             self._next_id += 1
@@ -122,11 +143,7 @@ class TensorParallelModel:
             weakref.finalize(cache, self._freed.append, cid)      # the followers drop their mirror then
         freed = self._freed[:]
         self._freed.clear()
-        rows = -1 if batch.logit_rows is None else batch.logit_rows.numel()
-        header = [FORWARD if graph is None else REPLAY, cid, cache.pool.n_pages, cache.page_size,
-                  MODES.index(cache.mode), batch.input_ids.numel(), batch.n_seqs, batch.block_tables.shape[1], rows,
-                  len(freed), 0 if batch.row_seq is None else batch.row_seq.numel(), *(graph or (0, 0, 0, 0))]
-        self.channel.send(header, _pack(batch, freed))
+        return cid, freed
 
     def close(self) -> None:
         """Lets the other ranks finish (also done when this object is collected, or at exit)."""
@@ -178,6 +195,9 @@ def follow(local: model.Model, channel: Channel) -> None:
             cid, n_pages, page_size, mode = h[1:5]
             if cid not in caches:
                 caches[cid] = KVCache(local.config, n_pages, page_size, MODES[mode], local.device, local.dtype)
+            if h[0] == COPY:
+                caches[cid].copy(*h[11:14])
+                continue
             if h[0] == FORWARD:
                 local.forward(batch, caches[cid])
                 continue
