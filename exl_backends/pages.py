@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import islice
 
 from .cache import PagePool
 
@@ -61,7 +62,7 @@ class PageManager:
         that head's length); (None, 0) when none shares a first token. The `limit` most recent are compared (a
         long-lived prefix may have many followers)."""
         best, best_n = None, 0
-        for page in reversed(list(self.followers.get(parent, ()))[-limit:]):
+        for page in islice(reversed(self.followers.get(parent, {})), limit):
             theirs = self.entry[page][1]
             n = 0
             for a, b in zip(theirs, tokens):
