@@ -133,3 +133,24 @@ def test_prefill_pieces_replay_the_eager_logits(cache_mode):
                for p in pages[0] + pages[1] + pages[2]]
         assert all((a.float() - b.float()).norm() <= 2e-3 * b.float().norm() for a, b in zip(now, kept))
     assert sorted(runner.prefill.graphs) == [8, 96, 384]
+
+
+@needs_fixtures()
+@pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
+def test_a_copied_page_head_gives_the_computed_prefix_distribution(cache_mode):
+    """A chat's next turn takes the finished turn's partly filled last page as a copied head (on the GPU: every
+    layer's K/V, and a q4 cache's scales): its next-token distribution equals a fresh generator computing the whole
+    prompt (within fp16 noise: the prefix ran in other batches)."""
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                           max_seq_len=1024, cache_mode=cache_mode)
+    prompt = [509] + torch.randint(1, 500, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    gen = Generator(model)
+    first = gen.generate(prompt, max_new_tokens=8, stop_token_ids=[])
+    turn = prompt + first.token_ids + [11, 12, 13]
+    reused = gen.generate(turn, max_new_tokens=1, stop_token_ids=[], logprobs=5)
+    fresh = Generator(model).generate(turn, max_new_tokens=1, stop_token_ids=[], logprobs=5)
+    assert reused.usage.cached_tokens == len(prompt) + 7 and fresh.usage.cached_tokens == 0
+    ours, theirs = dict(reused.logprobs[0].top), dict(fresh.logprobs[0].top)
+    assert reused.token_ids == fresh.token_ids
+    both = ours.keys() & theirs.keys()
+    assert len(both) >= 4 and all(abs(ours[t] - theirs[t]) < 0.05 for t in both)
