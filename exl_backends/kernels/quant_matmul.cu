@@ -109,9 +109,6 @@ constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), RE
 #ifndef QMM_GEMM_BATCH                     // chunks a GEMM warp loads per batch: 1 fits 2 blocks per SM (2: ~16 more
 #define QMM_GEMM_BATCH 1                   // registers, spills at 128)
 #endif
-#ifndef QMM_GEMM_PIPELINE                  // 1: a GEMM warp loads its next batch before computing this one (walk_run),
-#define QMM_GEMM_PIPELINE 0                // as the M1 kernel does; not yet measured (NOTES-matmul.md)
-#endif
 constexpr int GEMM_STAGES = QMM_GEMM_STAGES;   // x chunks in flight in a GEMM block's ring (quant_matmul.GEMM_STAGES)
 constexpr int GEMM_XS = 48;              // halves per x row of a ring slot: 32 + 16 pad (quant_matmul.GEMM_XS)
 constexpr int GEMM_WARP_TILES = 4;       // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS = 64)
@@ -1000,7 +997,7 @@ struct GemmTile {
 // of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
 template <class Fmt>
 struct GemmSink {
-    static constexpr bool PIPELINE = QMM_GEMM_PIPELINE;
+    static constexpr bool PIPELINE = false;          // loading the next batch first: slower (NOTES-matmul.md)
     static constexpr int BATCH = QMM_GEMM_BATCH;     // chunks per batch (walk_run)
     half* ring;
     int slot_halves;
