@@ -259,13 +259,13 @@ class Runner:
         """The batch's logits rows; after a graph replay, a view of the graph's static output, valid until the
         next forward (copy it to keep it)."""
         shape = self._graph_shape(batch)
-        with on_device(self.model.device):      # kernels launch on the current device: the model's
-            if shape is not None:
-                return self.graphs.run(*shape, batch)
-            size = self.prefill and self.prefill.size(batch.input_ids.shape[0])
-            if size:
+        if shape is not None:
+            return self.graphs.run(*shape, batch)
+        size = self.prefill and self.prefill.size(batch.input_ids.shape[0])
+        if size:
+            with on_device(self.model.device):      # its kernels and captures go to the current device: the model's
                 return self.prefill.run(size, batch)
-            return self.model.forward(batch, self.cache)
+        return self.model.forward(batch, self.cache)
 
     def _graph_shape(self, batch: Batch) -> tuple[int, int] | None:
         """(graph batch size, tokens per sequence) of a step a graph serves, else None. From shapes and row_seq

@@ -206,18 +206,26 @@ def greedy(m, eager: bool, steps: int = 5) -> tuple[list[list[int]], torch.Tenso
     return tokens, logits, shapes
 
 
+def rank_zero_model(rank: int, world: int, init_method: str, path: str):
+    """Joins the gloo group and loads this rank's shard: rank 0 gets its TensorParallelModel, the others follow
+    rank 0 until it closes, then get None."""
+    torch.set_num_threads(1)
+    me, channel = parallel.join_group(rank, world, "cpu", init_method)
+    local = parallel.load_shard(path, me, torch.float32)
+    if rank == 0:
+        return parallel.TensorParallelModel(local, channel)
+    parallel.follow(local, channel)
+    torch.distributed.destroy_process_group()
+    return None
+
+
 def graph_worker(rank: int, world: int, init_method: str, path: str, out_file: str) -> None:
     """Rank 0 decodes through a Runner over the TensorParallelModel (graph stand-ins, then eagerly) and runs
     `exl bench`'s report; rank 1 follows."""
     from exl_backends import bench
-    torch.set_num_threads(1)
-    me, channel = parallel.join_group(rank, world, "cpu", init_method)
-    local = parallel.load_shard(path, me, torch.float32)
-    if rank != 0:
-        parallel.follow(local, channel)
-        torch.distributed.destroy_process_group()
+    tp = rank_zero_model(rank, world, init_method, path)
+    if tp is None:
         return
-    tp = parallel.TensorParallelModel(local, channel)
     out = {"graphs": greedy(tp, eager=False), "eager": greedy(tp, eager=True)}
     bench.copy_bandwidth = lambda device: 1e9                  # the bound's arithmetic, not a 2 GiB copy
     out["bench"] = bench.report(tp, [16], "fp16", [32])
@@ -253,14 +261,9 @@ def head_copy(m, copy) -> torch.Tensor:
 
 
 def copy_worker(rank: int, world: int, init_method: str, path: str, out_file: str) -> None:
-    torch.set_num_threads(1)
-    me, channel = parallel.join_group(rank, world, "cpu", init_method)
-    local = parallel.load_shard(path, me, torch.float32)
-    if rank != 0:
-        parallel.follow(local, channel)
-        torch.distributed.destroy_process_group()
+    tp = rank_zero_model(rank, world, init_method, path)
+    if tp is None:
         return
-    tp = parallel.TensorParallelModel(local, channel)
     torch.save(head_copy(tp, tp.copy_slots), out_file)
     tp.close()
 
