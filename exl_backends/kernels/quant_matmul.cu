@@ -56,11 +56,6 @@
 //   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
 //   for the next launch.
-//   M1 is stream-K (NOTES-matmul.md v11): a part's n_blocks blocks take equal byte shares of its (column block,
-//   chunk) order, part.stream_k[b] .. [b + 1], which may cross column blocks; a block does its share segment by
-//   segment (one column block's chunks each), and column block cb's partials come from the count blocks first ..
-//   (table after the starts), contributor k = block - first in place of the split, summed in k order. So a launch
-//   fills one wave exactly where uniform splits could not (4096 x 14336: 264 blocks, not 56 x 4 = 224).
 //
 // GEMM KERNELS  <fmt>_gemm, permute_x, gemm_reduce (LARGE_M <= M <= GEMM_MAX_M rows of x; NOTES-matmul.md v8)
 //   The lane layout's per-lane pairs are exactly the B fragments of m16n8k16 MMAs with x as A: pair (j, s, h) of
@@ -193,11 +188,9 @@ struct Part {
     const int* perm;             // [K] stored row -> row of x, or null for the identity
     const half* bias;            // [n] or null
     int* counters;               // [strips] split-K arrivals, self-resetting
-    const int* stream_k;         // M1 plans: block starts [n_blocks + 1], then (first, count) per column block
     int n, np, strips, words_per_strip;
-    int n_groups, n_splits, block0, col_blocks, n_blocks;
-    int ws_offset;               // floats into ws of this part's partials [n_splits][M][np] (M1: n_splits = the
-                                 // most contributors of a column block)
+    int n_groups, n_splits, block0, col_blocks;
+    int ws_offset;               // floats into ws of this part's partials [n_splits][M][np]
     int run_start[N_WIDTHS + 1];
     int run_word[N_WIDTHS];      // word offset within a strip of run i's first chunk
     int split_word[MAX_SPLITS + 1];       // word offset within a strip of each split's first chunk (the last: total)
@@ -410,42 +403,12 @@ __device__ __forceinline__ void decode_raw(const unsigned (&w)[B], half2 (&a)[16
 
 // ------------------------------------------------------------------------------------------- walking chunks
 
-// Chunks [c0, c1) of every strip of a part: words [w0, w1) of a strip, groups g0 .. g1 - 1.
-struct Range {
-    int c0, c1, w0, w1;
-    unsigned g0, g1;
-
-    // Split s of the part's uniform plan (its tables).
-    __device__ static Range split(const Part& pt, int s)
-    {
-        return {pt.split_chunk[s], pt.split_chunk[s + 1], pt.split_word[s], pt.split_word[s + 1],
-                (unsigned)pt.split_group[s], pt.split_group[s + 1] + 1u};
-    }
-
-    // Any chunks (stream-K segments): words from the width runs, groups from chunk_meta.
-    __device__ static Range chunks(const Part& pt, int c0, int c1)
-    {
-        return {c0, c1, word_of(pt, c0), word_of(pt, c1), (unsigned)__ldg(&pt.chunk_meta[c0].x),
-                __ldg(&pt.chunk_meta[c1 - 1].x) + 1u};
-    }
-
-    // Word offset within a strip of chunk c (c = chunks: the strip's words).
-    __device__ static int word_of(const Part& pt, int c)
-    {
-        int w = pt.words_per_strip;
-#pragma unroll
-        for (int i = N_WIDTHS - 1; i >= 0; --i)
-            if (c < pt.run_start[i + 1]) w = pt.run_word[i] + 32 * width_of(i) * (c - pt.run_start[i]);
-        return w;
-    }
-};
-
 // Starts the DRAM reads of a warp's group records (all of its range) into L2: only parameters are read, so this
 // can be a kernel's first work.
 template <class Fmt>
-__device__ __forceinline__ void prefetch_records(const Part& pt, int strip, const Range& r, int lane)
+__device__ __forceinline__ void prefetch_records(const Part& pt, int strip, int split, int lane)
 {
-    const unsigned g0 = r.g0, g1 = r.g1;
+    const unsigned g0 = pt.split_group[split], g1 = pt.split_group[split + 1] + 1u;
     prefetch_span(static_cast<const char*>(pt.meta0) + (size_t)strip * pt.n_groups * Fmt::REC0, g0 * Fmt::REC0,
                   g1 * Fmt::REC0, lane);
     if constexpr (Fmt::REC1 > 0)
@@ -453,10 +416,11 @@ __device__ __forceinline__ void prefetch_records(const Part& pt, int strip, cons
                       g1 * Fmt::REC1, lane);
 }
 
-// The weight stream of a warp's chunks of range r of its strip, started.
-__device__ __forceinline__ void start_stream(Stream& st, const Part& pt, int strip, const Range& r, int lane)
+// The weight stream of a warp's chunks of split s of its strip, started.
+__device__ __forceinline__ void start_stream(Stream& st, const Part& pt, int strip, int split, int lane)
 {
-    st.start(pt.qw + (size_t)strip * pt.words_per_strip + r.w0, 4u * (r.w1 - r.w0), lane);
+    const int w0 = pt.split_word[split];
+    st.start(pt.qw + (size_t)strip * pt.words_per_strip + w0, 4u * (pt.split_word[split + 1] - w0), lane);
 }
 
 // U chunks' words, chunk_meta entries and group records, loaded together (fetch), then consumed in order.
@@ -542,14 +506,14 @@ __device__ __forceinline__ void walk_width(const Part& pt, const typename Fmt::C
     }
 }
 
-// Chunks of range r = [c0, c1) of one strip (the stream st), width by width: straight-line code, so each width's
+// Chunks of split s = [c0, c1) of one strip (the stream st), width by width: straight-line code, so each width's
 // loop keeps its own registers. meta_s: chunk_meta[c0..c1).
 template <class Fmt, class Sink>
-__device__ __forceinline__ void walk(const Part& pt, int strip, const Range& r, const int2* meta_s, const Stream& st,
+__device__ __forceinline__ void walk(const Part& pt, int strip, int split, const int2* meta_s, const Stream& st,
                                      int lane, Sink& sink)
 {
     const typename Fmt::Cursor cur = Fmt::cursor(pt, strip, lane / 4);
-    const int c0 = r.c0, c1 = r.c1, w0 = r.w0;
+    const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1], w0 = pt.split_word[split];
     walk_width<0, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
     walk_width<1, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
     walk_width<2, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
@@ -774,24 +738,23 @@ __device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, 
     }
 }
 
-// Chunks r of column block cb of part pt (of p): y [M, pt.n] = x [M, K] @ W^T (+ bias) when r is all of K
-// (count == 1); otherwise this block is contributor k of the column block's count: its partials go to
-// ws[(k * ws_rows + m) * Np + col] (ws: this part's, row 0), arrivals to counters[strip] (this part's), and the last
-// warp of a strip to arrive adds the count partials in k order (deterministic).
+// Block `local` of part pt (of p): y [M, pt.n] = x [M, K] @ W^T (+ bias). Split partials go to
+// ws[(split * ws_rows + m) * Np + col] (ws: this part's, row 0), arrivals to counters[strip] (this part's).
 template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul_range(const Params& p, const Part& pt, int cb, const Range& r, int k, int count,
-                                             int M, const half* x, half* y, float* ws, int ws_rows, int* counters)
+__device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
+                                            float* ws, int ws_rows, int* counters)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     half* xs = reinterpret_cast<half*>(smem);
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const int strip = cb * WARPS + warp, c0 = r.c0, c1 = r.c1;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
+    const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1];
 
     Stream st;
     if (strip < pt.strips) {                 // DRAM reads first; they overlap the staging below
-        start_stream(st, pt, strip, r, lane);
-        prefetch_records<Fmt>(pt, strip, r, lane);
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
     }
     GatherRound first;                                 // the weights' own metadata: no earlier kernel writes it
     first.prepare(pt, c0, 32 * (c1 - c0), threadIdx.x);
@@ -810,12 +773,12 @@ __device__ __forceinline__ void matmul_range(const Params& p, const Part& pt, in
     sink.corr = corr;
     sink.c0 = c0;
     sink.M = M;
-    walk<Fmt>(pt, strip, r, meta_s, st, lane, sink);
+    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
 
     const int N = pt.n, Np = pt.np;
     // acc[t][n][i]: column strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2
-    if (count == 1) {
+    if (pt.n_splits == 1) {
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -828,7 +791,7 @@ __device__ __forceinline__ void matmul_range(const Params& p, const Part& pt, in
                 }
         return;
     }
-    float* part = ws + (size_t)k * ws_rows * Np;
+    float* part = ws + (size_t)split * ws_rows * Np;
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -843,59 +806,23 @@ __device__ __forceinline__ void matmul_range(const Params& p, const Part& pt, in
     int done = 0;
     if (lane == 0) done = atomicAdd(counters + strip, 1);
     done = __shfl_sync(FULL_MASK, done, 0);
-    if (done != count - 1) return;
-    __threadfence();                             // the last warp of the strip: every other partial is in
+    if (done != pt.n_splits - 1) return;
+    __threadfence();                             // the last warp of the strip: every other split's partial is in
     if constexpr (M1)
-        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, count, strip * 32 + lane);
+        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
     else
-        reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, count, strip * 32 + lane);
+        reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
     if (lane == 0) counters[strip] = 0;
 }
 
-// Block `local` of part pt's uniform plan: column block local % col_blocks, split local / col_blocks.
-template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
-                                            float* ws, int ws_rows, int* counters)
-{
-    const int split = local / pt.col_blocks;
-    matmul_range<Fmt, N8, M1>(p, pt, local % pt.col_blocks, Range::split(pt, split), split, pt.n_splits, M, x, y,
-                              ws, ws_rows, counters);
-}
-
-// Block `local` of part pt's stream-K plan (pt.stream_k, quant_matmul.stream_k_plan): its chunks are the linear
-// range starts[local] .. starts[local + 1] of the part's (column block, chunk) order, cut at column blocks into
-// segments, done one after the other; column block cb has count contributors from block first on.
-template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul_stream_k(const Params& p, const Part& pt, int local, int M, const half* x,
-                                                half* y, float* ws, int ws_rows, int* counters)
-{
-    const int* starts = pt.stream_k;
-    const int* blocks = starts + pt.n_blocks + 1;      // (first, count) per column block (4-byte aligned only)
-    const int chunks = pt.run_start[N_WIDTHS];
-    int at = __ldg(starts + local);
-    const int end = __ldg(starts + local + 1);
-    while (at < end) {
-        const int cb = at / chunks, c0 = at % chunks, c1 = min(chunks, c0 + end - at);
-        const int first = __ldg(blocks + 2 * cb), count = __ldg(blocks + 2 * cb + 1);
-        matmul_range<Fmt, N8, M1>(p, pt, cb, Range::chunks(pt, c0, c1), local - first, count, M, x, y, ws, ws_rows,
-                                  counters);
-        at += c1 - c0;
-        __syncthreads();                         // the next segment reuses shared memory
-    }
-}
-
-// The launch of p: block blockIdx.x of the parts laid out in block order (stream-K for one row of x).
+// The launch of p: block blockIdx.x of the parts laid out in block order.
 template <class Fmt, int N8, bool M1>
 __device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0, half* y1, half* y2, float* ws)
 {
     const int pi = part_of(p, blockIdx.x);
     const Part& pt = p.part[pi];
-    half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
-    float* part_ws = ws ? ws + pt.ws_offset : ws;
-    if constexpr (M1)
-        matmul_stream_k<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, y, part_ws, p.M, pt.counters);
-    else
-        matmul_part<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, y, part_ws, p.M, pt.counters);
+    matmul_part<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, pi == 0 ? y0 : pi == 1 ? y1 : y2,
+                             ws ? ws + pt.ws_offset : ws, p.M, pt.counters);
 }
 
 // MoE: the experts of one layer (experts[e], a Params in device memory, all with the same parts' shapes and block
@@ -981,15 +908,15 @@ __device__ __forceinline__ void dequant(const Params& p, half* w_out)
     const int split = blockIdx.x / pt.col_blocks, strip = blockIdx.x % pt.col_blocks * WARPS + warp;
     Stream st;
     if (strip < pt.strips) {
-        start_stream(st, pt, strip, Range::split(pt, split), lane);
-        prefetch_records<Fmt>(pt, strip, Range::split(pt, split), lane);
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
     }
     pdl_wait();                                        // w_out may still be read by an earlier kernel
     if (strip >= pt.strips) return;
     DequantSink<Fmt> sink;
     sink.tile = tiles[warp]; sink.w_out = w_out; sink.perm = pt.perm; sink.Np = pt.np; sink.strip = strip;
     sink.lane = lane; sink.g = lane / 4; sink.q = lane % 4;
-    walk<Fmt>(pt, strip, Range::split(pt, split), pt.chunk_meta + pt.split_chunk[split], st, lane, sink);   // via L1
+    walk<Fmt>(pt, strip, split, pt.chunk_meta + pt.split_chunk[split], st, lane, sink);   // chunk_meta via L1
 }
 
 
@@ -1144,8 +1071,8 @@ __device__ __forceinline__ void gemm_part(const Params& p, const Part& pt, int l
     const int c0 = pt.split_chunk[tile.split], c1 = pt.split_chunk[tile.split + 1];
 
     Stream st;                                         // DRAM reads first (weights only)
-    start_stream(st, pt, tile.strip, Range::split(pt, tile.split), lane);
-    prefetch_records<Fmt>(pt, tile.strip, Range::split(pt, tile.split), lane);
+    start_stream(st, pt, tile.strip, tile.split, lane);
+    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
     stage_meta(meta_s, pt.chunk_meta, c0, c1);
     pdl_wait();                                        // x and ws belong to earlier kernels
 
@@ -1159,7 +1086,7 @@ __device__ __forceinline__ void gemm_part(const Params& p, const Part& pt, int l
 #pragma unroll
     for (int n = 0; n < GEMM_STAGES - 1; ++n) sink.stage(n);
     __syncthreads();                                   // meta_s
-    walk<Fmt>(pt, tile.strip, Range::split(pt, tile.split), meta_s, st, lane, sink);
+    walk<Fmt>(pt, tile.strip, tile.split, meta_s, st, lane, sink);
     copy_async_wait<0>();
     if (!tile.writes) return;
 

@@ -100,10 +100,9 @@ MOE_KERNELS = {   # (format, rows per pass) -> MoE entry point of quant_matmul.c
 # quant_matmul.cu's Part and Params (launch parameters, passed by value); a host test checks the offsets.
 PART_DTYPE = np.dtype([
     ("qw", np.uint64), ("chunk_meta", np.uint64), ("meta0", np.uint64), ("meta1", np.uint64), ("perm", np.uint64),
-    ("bias", np.uint64), ("counters", np.uint64), ("stream_k", np.uint64),
+    ("bias", np.uint64), ("counters", np.uint64),
     ("n", np.int32), ("np", np.int32), ("strips", np.int32), ("words_per_strip", np.int32),
     ("n_groups", np.int32), ("n_splits", np.int32), ("block0", np.int32), ("col_blocks", np.int32),
-    ("n_blocks", np.int32),
     ("ws_offset", np.int32), ("run_start", np.int32, (len(WIDTHS) + 1,)), ("run_word", np.int32, (len(WIDTHS),)),
     ("split_word", np.int32, (MAX_SPLITS + 1,)),
     ("split_chunk", np.int16, (MAX_SPLITS + 1,)), ("split_group", np.int16, (MAX_SPLITS + 1,))], align=True)
@@ -363,7 +362,6 @@ class Plan:
     smem: int
     params: np.ndarray       # 0-d PARAMS_DTYPE
     ws_floats: int           # fp32 split partials the launch needs (0: none); GEMM plans: per row of x
-    tables: Tensor | None = None    # stream-K plans: the parts' tables (Part.stream_k points into it)
 
     def arg(self) -> np.ndarray:
         """The Params as a kernel argument (the loader passes the struct's bytes by value)."""
@@ -405,8 +403,7 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
                             ("meta1", _ptr(lay.meta1)), ("perm", _ptr(lay.perm)), ("bias", _ptr(bias)),
                             ("counters", _ptr(cnt)), ("n", lay.n), ("np", lay.np_), ("strips", lay.strips),
                             ("words_per_strip", lay.words_per_strip), ("n_groups", lay.n_groups), ("n_splits", n),
-                            ("block0", block0), ("col_blocks", col_blocks), ("n_blocks", col_blocks * m_tiles * n),
-                            ("ws_offset", ws)):
+                            ("block0", block0), ("col_blocks", col_blocks), ("ws_offset", ws)):
             part[name][i] = value
         part["run_start"][i] = lay.run_start
         words = np.cumsum([0] + [32 * b for b in lay.chunk_bits])          # word offset of each chunk in a strip
@@ -421,86 +418,10 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
                n_sm: int) -> Plan:
-    """The small-M launch for `rows` rows of x (stream-K for one row)."""
+    """The small-M launch for `rows` rows of x."""
     rows_class = 1 if rows == 1 else 8 if rows <= 8 else 16
-    slots = RESIDENT_BLOCKS[rows_class] * n_sm
-    splits = choose_splits(layouts, rows, slots, rows)
-    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class], layouts, biases, counters, splits, rows)
-    return stream_k_plan(plan, layouts, splits, slots) if rows == 1 else plan
-
-
-def stream_k_blocks(layouts: list[LaneLayout], splits: list[int], slots: int) -> list[int]:
-    """Blocks per part of a stream-K launch: the uniform plan's (column blocks x splits) scaled to one full wave
-    when that plan fills at least half of one (a wave cut into equal byte shares, so no block waits on a longer
-    one: 4096 x 14336 has 56 column blocks, i.e. 4 splits = 224 blocks on 264 slots, or stream-K's 264), else the
-    uniform plan's; never fewer than MIN_CHUNKS_PER_SPLIT chunks' worth of bytes per block."""
-    base = [-(-lay.strips // WARPS) * n for lay, n in zip(layouts, splits)]
-    if 2 * sum(base) < slots:
-        return base
-    return [max(1, min(b * slots // sum(base), -(-lay.strips // WARPS) * len(lay.chunk_bits) // MIN_CHUNKS_PER_SPLIT))
-            for b, lay in zip(base, layouts)]
-
-
-def stream_k_starts(lay: LaneLayout, blocks: int) -> list[int]:
-    """Where each block's range starts in the part's (column block, chunk) order (plus the end): equal shares of
-    the packed bytes, cut at chunk starts. With blocks = column blocks x n these are split_starts(n) per column
-    block: the uniform plan."""
-    prefix = np.cumsum([0] + list(lay.chunk_bits))              # packed bits per row, as split_starts
-    chunks, col_blocks = len(lay.chunk_bits), -(-lay.strips // WARPS)
-    total = col_blocks * int(prefix[-1])
-    starts = []
-    for b in range(blocks + 1):
-        cb, w = divmod(b * total // blocks, int(prefix[-1]))
-        starts.append(cb * chunks + int(np.searchsorted(prefix, w, side="left")))
-    return starts
-
-
-def contributors(starts: list[int], chunks: int, col_blocks: int) -> list[tuple[int, int]]:
-    """(first block, count) of each column block: the blocks whose ranges hold some of its chunks."""
-    out = []
-    for cb in range(col_blocks):
-        first = bisect.bisect_right(starts, cb * chunks) - 1          # the block holding the column block's start
-        last = bisect.bisect_left(starts, (cb + 1) * chunks) - 1      # the block holding its last chunk
-        out.append((first, last - first + 1))
-    return out
-
-
-def stream_k_plan(plan: Plan, layouts: list[LaneLayout], splits: list[int], slots: int) -> Plan:
-    """The one-row launch of `plan` (its uniform M1 plan) as stream-K (quant_matmul.cu matmul_stream_k): tables of
-    block starts and column-block contributors per part, blocks and ws re-laid, the x tile sized for the longest
-    segment. Falls back to the uniform plan's blocks when stream-K's x tile would not fit X_SMEM_BYTES."""
-    p = plan.params.copy()
-    part = p["part"]
-    for blocks in (stream_k_blocks(layouts, splits, slots), [-(-lay.strips // WARPS) * n
-                                                             for lay, n in zip(layouts, splits)]):
-        tables, block0, ws, longest = [], 0, 0, 1
-        for i, (lay, g) in enumerate(zip(layouts, blocks)):
-            chunks, col_blocks = len(lay.chunk_bits), -(-lay.strips // WARPS)
-            starts = stream_k_starts(lay, g)
-            assert all(a < b for a, b in zip(starts, starts[1:])), "a stream-K block without chunks"
-            info = contributors(starts, chunks, col_blocks)
-            count = max(c for _, c in info)
-            for a, b in zip(starts, starts[1:]):          # segments: the range cut at column blocks
-                while a < b:
-                    end = min(b, (a // chunks + 1) * chunks)
-                    longest, a = max(longest, end - a), end
-            tables.append(np.array(starts + [v for pair in info for v in pair], dtype=np.int32))
-            part["block0"][i], part["n_blocks"][i], part["n_splits"][i] = block0, g, count
-            part["ws_offset"][i] = ws
-            block0 += g
-            ws += count * lay.np_ if count > 1 else 0
-        stride = x_tile([0, longest], 1)[0]
-        meta = -(-stride * 2 // 16) * 16
-        smem = meta + 16 * longest
-        if meta + 8 * longest <= X_SMEM_BYTES:
-            break
-    p["xs_stride"], p["meta_smem"], p["corr_smem"] = stride, meta, meta + 8 * longest
-    table = torch.from_numpy(np.concatenate(tables)).to(layouts[0].words.device)
-    offset = 0
-    for i, t in enumerate(tables):
-        part["stream_k"][i] = table.data_ptr() + 4 * offset
-        offset += len(t)
-    return Plan(plan.kernel, block0, smem, p, ws, table)
+    splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[rows_class] * n_sm, rows)
+    return make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class], layouts, biases, counters, splits, rows)
 
 
 def gemm_shape(rows: int) -> tuple[int, int]:

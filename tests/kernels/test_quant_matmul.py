@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from kernel_testing import on_gpu, poison_allocator
@@ -148,7 +147,7 @@ def test_x_tile_rows_start_eight_banks_apart():
         assert smem == 5 * stride * 2
 
 
-@pytest.mark.parametrize("rows", [2, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 9, 16])
 def test_small_m_plans_run_in_one_wave_within_limits(rows):
     lays = [qm.exl2_layout(synthetic.random_exl2(4096, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (256, 96)]
     counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
@@ -175,51 +174,6 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
         block0 += int(part["col_blocks"]) * n
         ws += n * rows * lay.np_ if n > 1 else 0
     assert plan.blocks == block0 and plan.ws_floats == ws
-
-
-@pytest.mark.parametrize("k,ns,mix", [(4096, (14336,), "4b_128g"), (4096, (4096, 1024, 1024), "0.05:8b_32g/0.95:4b_128g"),
-                                      (2048, (128256,), "6b_128g"), (416, (517, 96), "0.1:3b_64g/0.9:2b_64g")])
-def test_one_row_plans_share_the_bytes_equally_over_one_wave(k, ns, mix):
-    """Stream-K (quant_matmul.cu matmul_stream_k): every (column block, chunk) of every part in exactly one block's
-    range, shares of packed bytes within one chunk of each other, one wave (or the uniform plan when that is less
-    than half of one), contributors as the kernel counts them, ws and shared memory sized for them."""
-    lays = [qm.exl2_layout(synthetic.random_exl2(k, n, mix, seed=n)) for n in ns]
-    counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
-    plan = qm.plan_small(lays, [None] * len(lays), counters, 1, n_sm=132)
-    p, table = plan.params, plan.tables.numpy()
-    splits = qm.choose_splits(lays, 1, 2 * 132, 1)
-    uniform = [-(-lay.strips // qm.WARPS) * n for lay, n in zip(lays, splits)]
-    assert plan.blocks <= qm.RESIDENT_BLOCKS[1] * 132 and (2 * sum(uniform) < 264 or plan.blocks > 0.95 * 264)
-    block0 = ws = offset = longest = 0
-    for i, lay in enumerate(lays):
-        part = p["part"][i]
-        g, chunks, col_blocks = int(part["n_blocks"]), len(lay.chunk_bits), int(part["col_blocks"])
-        assert int(part["stream_k"]) == plan.tables.data_ptr() + 4 * offset and int(part["block0"]) == block0
-        starts = table[offset:offset + g + 1].tolist()
-        info = table[offset + g + 1:offset + g + 1 + 2 * col_blocks].reshape(-1, 2).tolist()
-        offset += g + 1 + 2 * col_blocks
-        assert starts[0] == 0 and starts[-1] == col_blocks * chunks and all(a < b for a, b in zip(starts, starts[1:]))
-        words = np.cumsum([0] + [32 * b for b in lay.chunk_bits])
-        shares = []
-        for a, b in zip(starts, starts[1:]):
-            share = 0
-            while a < b:                                            # the kernel's segments
-                cb, end = a // chunks, min(b, (a // chunks + 1) * chunks)
-                share += words[end - cb * chunks] - words[a - cb * chunks]
-                longest, a = max(longest, end - a), end
-            shares.append(share)
-        assert max(shares) - min(shares) <= 2 * 32 * max(lay.chunk_bits)
-        for cb in range(col_blocks):
-            holders = [b for b in range(g) if starts[b] < (cb + 1) * chunks and starts[b + 1] > cb * chunks]
-            assert info[cb] == [holders[0], len(holders)]
-        count = max(c for _, c in info)
-        assert int(part["n_splits"]) == count and int(part["ws_offset"]) == ws
-        if g == col_blocks * splits[i]:                             # the uniform plan's blocks: its very splits
-            assert starts[:splits[i] + 1] == qm.split_starts(lay.chunk_bits, splits[i])
-        block0 += g
-        ws += count * lay.np_ if count > 1 else 0
-    assert plan.blocks == block0 and plan.ws_floats == ws and len(table) == offset
-    assert int(p["xs_stride"]) >= 32 * longest and plan.smem == int(p["corr_smem"]) + 8 * longest <= qm.X_SMEM_BYTES
 
 
 def test_planner_prefers_one_full_wave():
