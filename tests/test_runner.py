@@ -55,7 +55,9 @@ def test_a_step_of_alike_sequences_replays_and_equals_eager(model, tokens):
     eager = model.forward(batch, cache)
     runner = Runner(model, cache, max_batch=8, max_pages=4, eager=False)
     assert runner._graph_shape(batch) == (4, tokens)
-    torch.testing.assert_close(runner.forward(batch), eager, rtol=0, atol=0)
+    # fp32 rounding only: the padded step multiplies 4 sequences' rows, and CPU BLAS may sum a row in another order
+    # for another row count (seen on AMD EPYC: 1.3e-6 at most); a wrong page or padding row is off by ~1
+    torch.testing.assert_close(runner.forward(batch), eager, rtol=1e-5, atol=1e-5)
     assert list(runner.graphs.by_shape) == [(4, tokens)]
 
 
