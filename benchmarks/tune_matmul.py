@@ -34,9 +34,8 @@ M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel
 GEMM_BLOCKS, GEMM_STAGES = qm.GEMM_RESIDENT, qm.GEMM_STAGES
 
 
-def use_define(define: str, lineinfo: bool = False) -> None:
-    """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define), with
-    line info when asked (ncu then maps its samples to source lines).
+def use_define(define: str) -> None:
+    """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
     QMM_GEMM_BLOCKS=n and QMM_GEMM_STAGES=n set the GEMM plan's qm.GEMM_RESIDENT and qm.GEMM_STAGES (shared
     memory) to match (they take effect for weights prepared after this call)."""
@@ -48,13 +47,12 @@ def use_define(define: str, lineinfo: bool = False) -> None:
 
     @functools.cache
     def module(family, cc):
-        if family != "quant_matmul" or not (define or lineinfo):
+        if family != "quant_matmul" or not define:
             return original(family, cc)
         cp = loader.cupy()
         source = f'#line 1 "{family}.cu"\n' + (loader.KERNEL_DIR / f"{family}.cu").read_text()
         options = ("-std=c++17", f"-I{loader.KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}",
-                   "--use_fast_math", *(f"-D{d}" for d in define.split("+") if d),
-                   *(("-lineinfo",) if lineinfo else ()))
+                   "--use_fast_math", *(f"-D{d}" for d in define.split("+")))
         mod = cp.RawModule(code=source, options=options, backend="nvrtc")
         mod.compile()
         return mod
@@ -116,12 +114,11 @@ def main() -> None:
                     "MAX_SPLIT_ROWS=64,MAX_SPLIT_ROWS=256 ('+' between several in one variant)")
     ap.add_argument("--eager", default="", help="KxN: only call the 4.0 bpw kernel eagerly a few times on the first "
                     "--m rows, the GEMM path with --gemm (for ncu)")
-    ap.add_argument("--lineinfo", action="store_true", help="compile with line info (ncu source view)")
     ap.add_argument("--gemm", action="store_true", help="time the GEMM path (_gemm) at every --m, with dequant + "
                     "cuBLAS beside it (e.g. --set GEMM_ROW_GROUPS=1,GEMM_ROW_GROUPS=2)")
     args = ap.parse_args()
     if args.eager:
-        use_define(args.defines, args.lineinfo)
+        use_define(args.defines)
         k, n = map(int, args.eager.split("x"))
         gen = torch.Generator(device="cuda").manual_seed(0)
         fs = [qm.prepare(exl2_weight(k, n, "4b_128g", gen), None) for _ in range(4)]

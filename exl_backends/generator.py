@@ -272,6 +272,8 @@ class Generator:
     def _copy_heads(self) -> None:
         """The cached page heads that newly admitted prompts reuse, copied into their own pages (the draft
         model's cache too: it shares the page table)."""
+        if not self.scheduler.copies:       # (most steps)
+            return
         ps = self.page_size
         for source, page, n in self.scheduler.copies:
             self.model.model.copy_slots(self.cache, source * ps, page * ps, n)
