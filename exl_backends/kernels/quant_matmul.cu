@@ -52,6 +52,11 @@
 //   Dependent launch (common.cuh): the weight and record prefetches, the chunk_meta staging and the perm reads of
 //   the x gather's first round come before pdl_wait, so on sm_90+ they overlap the kernel before this one; x is
 //   read after it.
+//   One row of x (the dense M1 launch, matmul_part_m1): a small kernel before it, stage_x1, writes each part's x in
+//   stored order (x' as above) and the chunks' corrections once per launch, and the M1 warps read their B fragments
+//   and corrections from it (L2) with their weight batches: no x gather, no corrections pass and no block barrier
+//   after pdl_wait in the M1 kernel, whose shared memory holds only the split's chunk_meta entries (NOTES-matmul.md:
+//   the per-block prologue was ~35 % of the M1 warps' time). The MoE M1 kernel stages x per block as M8/M16 do.
 //   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
 //   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
@@ -424,31 +429,41 @@ __device__ __forceinline__ void start_stream(Stream& st, const Part& pt, int str
 }
 
 // U chunks' words, chunk_meta entries and group records, loaded together (fetch), then consumed in order.
-template <int U, int B, class Fmt>
+// With them, whatever else the sink reads per chunk (Sink::Extra: the M1 matmul's x fragments and corrections).
+template <int U, int B, class Fmt, class Sink>
 struct Batch {
     unsigned w[U][B];
     int2 m[U];
     typename Fmt::Raw raw[U];
+    typename Sink::Extra ex[U];
 
-    // The chunks from span offset off on; meta: their chunk_meta entries.
+    // The chunks c, c + 1, ... from span offset off on; meta: their chunk_meta entries.
     __device__ __forceinline__ void fetch(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
-                                          unsigned off, int lane)
+                                          unsigned off, int lane, int c, const Sink& sink)
     {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             st.template load<B>(off + u * 128 * B, lane, w[u]);
             m[u] = meta[u];
+            ex[u] = sink.template extra<B>(c + u);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
     }
 
-    template <class Sink>
     __device__ __forceinline__ void consume(int c, Sink& sink) const
     {
 #pragma unroll
-        for (int u = 0; u < U; ++u) sink.template chunk<B>(w[u], m[u].x, raw[u], c + u);
+        for (int u = 0; u < U; ++u) sink.template chunk<B>(w[u], m[u].x, raw[u], c + u, ex[u]);
     }
+};
+
+// Sinks that read nothing else per chunk.
+struct NoExtra {
+    struct Extra {};
+
+    template <int B>
+    __device__ Extra extra(int) const { return {}; }
 };
 
 // One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks (Sink::BATCH if set), then the
@@ -463,13 +478,13 @@ __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const 
     constexpr int U = Sink::BATCH > 0 ? Sink::BATCH : batch<B>(), BYTES = 128 * B;
     if constexpr (Sink::PIPELINE) {
         if (c + U <= end) {
-            Batch<U, B, Fmt> now;
+            Batch<U, B, Fmt, Sink> now;
             st.ahead(off, off + U * BYTES, lane);
-            now.fetch(cur, meta, st, off, lane);
+            now.fetch(cur, meta, st, off, lane, c, sink);
             for (; c + 2 * U <= end; c += U, off += U * BYTES, meta += U) {
-                Batch<U, B, Fmt> next;
+                Batch<U, B, Fmt, Sink> next;
                 st.ahead(off + U * BYTES, off + 2 * U * BYTES, lane);
-                next.fetch(cur, meta + U, st, off + U * BYTES, lane);
+                next.fetch(cur, meta + U, st, off + U * BYTES, lane, c + U, sink);
                 now.consume(c, sink);
                 now = next;
             }
@@ -479,14 +494,14 @@ __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const 
     } else {
         for (; c + U <= end; c += U, off += U * BYTES, meta += U) {
             st.ahead(off, off + U * BYTES, lane);
-            Batch<U, B, Fmt> now;
-            now.fetch(cur, meta, st, off, lane);
+            Batch<U, B, Fmt, Sink> now;
+            now.fetch(cur, meta, st, off, lane, c, sink);
             now.consume(c, sink);
         }
     }
     for (; c < end; ++c, off += BYTES, ++meta) {                        // already prefetched by the batches
-        Batch<1, B, Fmt> one;
-        one.fetch(cur, meta, st, off, lane);
+        Batch<1, B, Fmt, Sink> one;
+        one.fetch(cur, meta, st, off, lane, c, sink);
         one.consume(c, sink);
     }
 }
@@ -530,18 +545,33 @@ __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta,
 
 // ------------------------------------------------------------------------------------------- matmul
 
+template <bool C, class A, class B> struct Pick { using T = A; };
+template <class A, class B> struct Pick<false, A, B> { using T = B; };
+
+// One row of x as stage_x1 left it, read per chunk with the weights (GX sinks): the lane's B fragments of the two
+// k16 steps and the chunk's correction.
+struct XChunk {
+    uint2 b[2];
+    float2 corr;
+};
+
 // Accumulates y^T for the warp's 32 columns: acc[t][n] is the C fragment of column tile t (columns 16t..16t+15
 // of the strip) and x-row tile n (rows 8n..8n+7). M1: only x row 0, i.e. fragment entries 0 and 2.
-template <class Fmt, int N8, bool M1>
+// GX (one row of x, the dense M1 launch): x and the corrections come from global memory (stage_x1's output) in the
+// batches, not from the block's shared memory.
+template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
     static constexpr bool PIPELINE = M1;
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
+    using Extra = typename Pick<GX, XChunk, NoExtra::Extra>::T;
     // B fragments come from x row min(g, M-1) (+ tile1 for row min(8+g, M-1)), columns 4q.. of the current chunk.
     // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
     const half* xc;
     int tile1;
     const float2* corr;      // the split's corrections [chunk - c0][M] (FOLDED widths)
     int c0, M;
+    const half* xg;          // GX: the part's x in stored order [K]
+    const float2* cg;        // GX: its corrections per chunk
     int group = -1;
     typename Fmt::State st;
     float sf[4] = {};        // scales of the current group's columns col(0..3), fp32
@@ -571,7 +601,20 @@ struct MatmulSink {
     }
 
     template <int B>
-    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c)
+    __device__ Extra extra(int c) const
+    {
+        Extra e;
+        if constexpr (GX) {
+            const int q = threadIdx.x % 4;
+            e.b[0] = __ldg(reinterpret_cast<const uint2*>(xg + 32 * c + 4 * q));
+            e.b[1] = __ldg(reinterpret_cast<const uint2*>(xg + 32 * c + 16 + 4 * q));
+            e.corr = folded<B>() ? __ldg(cg + c) : make_float2(0.f, 0.f);
+        }
+        return e;
+    }
+
+    template <int B>
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c, const Extra& ex)
     {
         if (group_key != group) {
             flush();
@@ -583,7 +626,11 @@ struct MatmulSink {
             group = group_key;
         }
         half2 a[16];
-        if constexpr (folded<B>()) {
+        if constexpr (folded<B>() && GX) {
+            decode_raw<B>(w, a);
+            s1[0][0] += ex.corr.x;
+            s0[0][0] += ex.corr.y;
+        } else if constexpr (folded<B>()) {
             decode_raw<B>(w, a);
             const float2* cc = corr + (c - c0) * M;
             const int q = threadIdx.x % 4;
@@ -603,7 +650,9 @@ struct MatmulSink {
             unsigned b[N8][2];
 #pragma unroll
             for (int n = 0; n < N8; ++n) {
-                const uint2 v = *reinterpret_cast<const uint2*>(xc + n * tile1 + 16 * s);
+                uint2 v;
+                if constexpr (GX) v = ex.b[s];
+                else v = *reinterpret_cast<const uint2*>(xc + n * tile1 + 16 * s);
                 b[n][0] = v.x;                         // rows 16s + 4q, +1  (MMA k = 2q, 2q+1)
                 b[n][1] = v.y;                         // rows 16s + 4q + 2, +3  (MMA k = 2q+8, 2q+9)
             }
@@ -614,7 +663,7 @@ struct MatmulSink {
                     mma_16816(part[t][n], as_bits(a[8 * t + 2 * s]), as_bits(a[8 * t + 4 + 2 * s]),
                               as_bits(a[8 * t + 2 * s + 1]), as_bits(a[8 * t + 4 + 2 * s + 1]), b[n][0], b[n][1]);
         }
-        xc += 32;
+        if constexpr (!GX) xc += 32;
     }
 
     __device__ static int g() { return threadIdx.x % 32 / 4; }
@@ -738,6 +787,51 @@ __device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, 
     }
 }
 
+// The warp's accumulators of its strip (acc[t][n][i]: column strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2):
+// y (+ bias) without splits, else the split's partials, and the strip's last warp to arrive reduces them.
+template <int N8, bool M1>
+__device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
+                                       half* y, float* ws, int ws_rows, int* counters)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int N = pt.n, Np = pt.np;
+    if (pt.n_splits == 1) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int n = 0; n < N8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
+                    if ((!M1 || i % 2 == 0) && m < M && col < N)
+                        y[(size_t)m * N + col] = __float2half_rn(acc[t][n][i] + bias_at(pt.bias, col));
+                }
+        return;
+    }
+    float* part = ws + (size_t)split * ws_rows * Np;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int n = 0; n < N8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
+                if ((!M1 || i % 2 == 0) && m < M) part[(size_t)m * Np + col] = acc[t][n][i];
+            }
+    __threadfence();                             // partials visible device-wide before this warp is counted
+    __syncwarp();
+    int done = 0;
+    if (lane == 0) done = atomicAdd(counters + strip, 1);
+    done = __shfl_sync(FULL_MASK, done, 0);
+    if (done != pt.n_splits - 1) return;
+    __threadfence();                             // the last warp of the strip: every other split's partial is in
+    if constexpr (M1)
+        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
+    else
+        reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
+    if (lane == 0) counters[strip] = 0;
+}
+
 // Block `local` of part pt (of p): y [M, pt.n] = x [M, K] @ W^T (+ bias). Split partials go to
 // ws[(split * ws_rows + m) * Np + col] (ws: this part's, row 0), arrivals to counters[strip] (this part's).
 template <class Fmt, int N8, bool M1>
@@ -775,54 +869,80 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     sink.M = M;
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
-
-    const int N = pt.n, Np = pt.np;
-    // acc[t][n][i]: column strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2
-    if (pt.n_splits == 1) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int n = 0; n < N8; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
-                    if ((!M1 || i % 2 == 0) && m < M && col < N)
-                        y[(size_t)m * N + col] = __float2half_rn(sink.acc[t][n][i] + bias_at(pt.bias, col));
-                }
-        return;
-    }
-    float* part = ws + (size_t)split * ws_rows * Np;
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int n = 0; n < N8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
-                if ((!M1 || i % 2 == 0) && m < M) part[(size_t)m * Np + col] = sink.acc[t][n][i];
-            }
-    __threadfence();                             // partials visible device-wide before this warp is counted
-    __syncwarp();
-    int done = 0;
-    if (lane == 0) done = atomicAdd(counters + strip, 1);
-    done = __shfl_sync(FULL_MASK, done, 0);
-    if (done != pt.n_splits - 1) return;
-    __threadfence();                             // the last warp of the strip: every other split's partial is in
-    if constexpr (M1)
-        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
-    else
-        reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
-    if (lane == 0) counters[strip] = 0;
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, ws_rows, counters);
 }
 
-// The launch of p: block blockIdx.x of the parts laid out in block order.
+// Block `local` of part pt, one row of x that stage_x1 staged (xg: the part's x in stored order, cg: its
+// corrections): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once and reads x
+// with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait).
+template <class Fmt>
+__device__ __forceinline__ void matmul_part_m1(const Params& p, const Part& pt, int local, const half* xg,
+                                               const float2* cg, half* y, float* ws, int* counters)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
+    Stream st;
+    if (strip < pt.strips) {
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
+    }
+    stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
+    __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
+    if (strip >= pt.strips) return;
+    pdl_wait();                                        // x (stage_x1's), ws and the counters
+    MatmulSink<Fmt, 1, true, true> sink;
+    sink.xg = xg;
+    sink.cg = cg;
+    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
+    sink.flush();
+    finish<1, true>(sink.acc, pt, split, strip, 1, y, ws, 1, counters);
+}
+
+// The launch of p: block blockIdx.x of the parts laid out in block order. M1: x is stage_x1's output (the parts'
+// rows of x in stored order [n_parts][K], then their corrections [n_parts][K / 32] as float2).
 template <class Fmt, int N8, bool M1>
 __device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0, half* y1, half* y2, float* ws)
 {
     const int pi = part_of(p, blockIdx.x);
     const Part& pt = p.part[pi];
-    matmul_part<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, pi == 0 ? y0 : pi == 1 ? y1 : y2,
-                             ws ? ws + pt.ws_offset : ws, p.M, pt.counters);
+    half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
+    if constexpr (M1) {
+        const float2* corr = reinterpret_cast<const float2*>(x + (size_t)p.n_parts * p.K) + (size_t)pi * (p.K / 32);
+        matmul_part_m1<Fmt>(p, pt, blockIdx.x - pt.block0, x + (size_t)pi * p.K, corr, y, ws ? ws + pt.ws_offset : ws,
+                            pt.counters);
+    } else {
+        matmul_part<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, y, ws ? ws + pt.ws_offset : ws, p.M,
+                                 pt.counters);
+    }
+}
+
+// One row of x for the M1 launch of p: chunk c = blockIdx.x * WARPS + warp of part blockIdx.y, by one warp, lane r
+// taking stored row 32c + r: xs[part][k'] = x[perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the
+// chunk's correction (as stage_corrections for one row: the same sums in the same order).
+__device__ __forceinline__ void stage_x1(const Params& p, const half* x, half* xs)
+{
+    const int part = blockIdx.y, c = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int chunks = p.K / 32;
+    if (part >= p.n_parts || c >= chunks) return;
+    const Part& pt = p.part[part];
+    const int k = 32 * c + lane, b = width_at(pt, c);
+    const int src = pt.perm ? __ldg(pt.perm + k) : k;
+    pdl_wait();                                        // x comes from the kernel before
+    const half v = __float2half_rn(__half2float(x[src]) * row_scale(b, lane));
+    xs[(size_t)part * p.K + k] = v;
+    float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
+    if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
+    for (int span = 16; span >= 1; span /= 2) {
+        lo += __shfl_xor_sync(FULL_MASK, lo, span);
+        hi += __shfl_xor_sync(FULL_MASK, hi, span);
+    }
+    float2* corr = reinterpret_cast<float2*>(xs + (size_t)p.n_parts * p.K);
+    if (lane == 0)
+        corr[(size_t)part * chunks + c] = (b == 4 || b == 6 || b == 8)
+                                              ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2))
+                                              : make_float2(0.f, 0.f);
 }
 
 // MoE: the experts of one layer (experts[e], a Params in device memory, all with the same parts' shapes and block
@@ -857,7 +977,7 @@ __device__ __forceinline__ void moe_matmul(const Params* experts, const int* off
 // ------------------------------------------------------------------------------------------- dequant
 
 template <class Fmt>
-struct DequantSink {
+struct DequantSink : NoExtra {
     static constexpr bool PIPELINE = false;
     static constexpr int BATCH = 0;
     half* tile;              // this warp's 32 x TILE_STRIDE halves
@@ -869,7 +989,7 @@ struct DequantSink {
     half2 scale[4];          // (s, s) of column col(j)
 
     template <int B>
-    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c)
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c, Extra)
     {
         if (group_key != group) {
             Fmt::template enter<B>(raw, g, st);
@@ -996,7 +1116,7 @@ struct GemmTile {
 // number k of the split is in slot k % GEMM_STAGES; before computing chunk k every thread waits for its own copies
 // of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
 template <class Fmt>
-struct GemmSink {
+struct GemmSink : NoExtra {
     static constexpr bool PIPELINE = false;          // loading the next batch first: slower (NOTES-matmul.md)
     static constexpr int BATCH = QMM_GEMM_BATCH;     // chunks per batch (walk_run)
     half* ring;
@@ -1026,7 +1146,7 @@ struct GemmSink {
     }
 
     template <int B>
-    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int)
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int, Extra)
     {
         if (group_key != group) {
             Fmt::template enter<B>(raw, threadIdx.x % 32 / 4, st);
@@ -1238,6 +1358,14 @@ gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, ha
 }
 
 // grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
+// grid (ceil(K / 32 / 8), parts), block 256: one row of x staged for the M1 kernels (qmm::stage_x1).
+extern "C" __global__ void __launch_bounds__(qmm::THREADS)
+stage_x1(const __grid_constant__ qmm::Params p, const half* x, half* xs)
+{
+    exl::pdl_trigger();
+    qmm::stage_x1(p, x, xs);
+}
+
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
 permute_x(const __grid_constant__ qmm::Params p, int M, const half* x, half* xp)
 {
