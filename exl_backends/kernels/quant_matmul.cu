@@ -257,12 +257,12 @@ struct Stream {
         if (a < min(span, end + PREFETCH_BYTES)) prefetch_l2(src + a);
     }
 
-    // Lane's B words of the chunk at span offset off: planes of 16, 8, then 4 bytes per lane.
+    // Lane's B words of the chunk at `chunk` (the span's start plus an offset): planes of 16, 8, then 4 bytes per
+    // lane. A batch passes its first chunk's pointer plus constants, so the loads take immediate offsets.
     template <int B>
-    __device__ void load(unsigned off, int lane, unsigned (&w)[B]) const
+    __device__ static void load(const unsigned char* chunk, int lane, unsigned (&w)[B])
     {
         constexpr int P16 = B / 4, P8 = B % 4 / 2, P4 = B % 2;
-        const unsigned char* chunk = src + off;
 #pragma unroll
         for (int i = 0; i < P16; ++i) {
             const uint4 v = load_stream(reinterpret_cast<const uint4*>(chunk + 512 * i) + lane);
@@ -441,12 +441,13 @@ struct Batch {
     __device__ __forceinline__ void fetch(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
                                           unsigned off, int lane, int c, const Sink& sink)
     {
+        const unsigned char* chunk = st.src + off;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            st.template load<B>(off + u * 128 * B, lane, w[u]);
+            Stream::load<B>(chunk + u * 128 * B, lane, w[u]);
             m[u] = meta[u];
-            ex[u] = sink.template extra<B>(c + u);
         }
+        sink.template extras<B, U>(c, ex);
 #pragma unroll
         for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
     }
@@ -462,8 +463,8 @@ struct Batch {
 struct NoExtra {
     struct Extra {};
 
-    template <int B>
-    __device__ Extra extra(int) const { return {}; }
+    template <int B, int U>
+    __device__ void extras(int, Extra (&)[U]) const {}
 };
 
 // One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks (Sink::BATCH if set), then the
@@ -600,17 +601,21 @@ struct MatmulSink {
             for (int e = 0; e < 2; ++e) s1[n][e] = s0[n][e] = 0.f;
     }
 
-    template <int B>
-    __device__ Extra extra(int c) const
+    // Chunks c .. c + U - 1: from one 64-bit pointer per batch, so every load takes an immediate offset (per-chunk
+    // 32-bit indexes cost ~13 address instructions per chunk: ncu, NOTES-matmul.md v13).
+    template <int B, int U>
+    __device__ void extras(int c, Extra (&ex)[U]) const
     {
-        Extra e;
         if constexpr (GX) {
-            const int q = threadIdx.x % 4;
-            e.b[0] = __ldg(reinterpret_cast<const uint2*>(xg + 32 * c + 4 * q));
-            e.b[1] = __ldg(reinterpret_cast<const uint2*>(xg + 32 * c + 16 + 4 * q));
-            e.corr = folded<B>() ? __ldg(cg + c) : make_float2(0.f, 0.f);
+            const uint2* xb = reinterpret_cast<const uint2*>(xg + 32 * (ptrdiff_t)c) + threadIdx.x % 4;
+            const float2* cb = cg + c;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                ex[u].b[0] = __ldg(xb + 8 * u);               // rows 4q .. 4q + 3 of chunk c + u
+                ex[u].b[1] = __ldg(xb + 8 * u + 4);           // rows 16 + 4q ..
+                ex[u].corr = folded<B>() ? __ldg(cb + u) : make_float2(0.f, 0.f);
+            }
         }
-        return e;
     }
 
     template <int B>

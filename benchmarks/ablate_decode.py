@@ -1,0 +1,83 @@
+"""What each kernel family costs a graph-replayed decode step, measured by leaving it out: the step's replay time
+with the family's launches replaced by nothing (an empty output; the logits are garbage, the timing is not). A
+profiler's kernel times overlap under programmatic dependent launch; these differences do not.
+
+    python benchmarks/ablate_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--context 256]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import synthetic_model  # noqa: E402
+
+from exl_backends.bench import decode_speed  # noqa: E402
+from exl_backends.kernels import quant_matmul  # noqa: E402
+
+QM = quant_matmul.QuantMatmul
+
+
+def _no_matmul(self, x):
+    return [torch.empty(*x.shape[:-1], lay.n, dtype=x.dtype, device=x.device) for lay in self.layouts]
+
+
+def _no_stage(self, x):
+    if self.x1 is None:
+        self.x1 = torch.zeros(len(self.layouts) * self.k * 5 // 4 + 64, dtype=torch.float16, device=x.device)
+    return self.x1
+
+
+OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-free stand-in
+    "attention": dict(paged_attention=lambda q, *a, **k: torch.empty_like(q)),
+    "add_rmsnorm": dict(add_rmsnorm=lambda x, residual, w, eps: (x, residual)),
+    "rope_kv_write": dict(rope_write=lambda q, *a: q),
+    "silu_mul": dict(silu_mul=lambda gate, up: gate),
+}
+CLASS_LEFT_OUT = {"stage_x1": ("_stage_x1", _no_stage), "matmul": ("forward", _no_matmul)}
+
+
+@contextlib.contextmanager
+def left_out(model, families: list[str]):
+    ops = model.ops
+    patched = [(QM, CLASS_LEFT_OUT[f][0], getattr(QM, CLASS_LEFT_OUT[f][0])) for f in families if f in CLASS_LEFT_OUT]
+    for f in families:
+        if f in CLASS_LEFT_OUT:
+            setattr(QM, *CLASS_LEFT_OUT[f])
+    fields = {k: v for f in families for k, v in OPS_LEFT_OUT.get(f, {}).items()}
+    model.ops = dataclasses.replace(ops, **fields)
+    try:
+        yield
+    finally:
+        model.ops = ops
+        for cls, name, fn in patched:
+            setattr(cls, name, fn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
+    ap.add_argument("--context", type=int, default=256)
+    args = ap.parse_args()
+    variants = [[]] + [[f] for f in [*OPS_LEFT_OUT, *CLASS_LEFT_OUT]] + [[*OPS_LEFT_OUT, "stage_x1"]]
+    for shape in args.shapes.split(","):
+        model = synthetic_model(shape)
+        base = None
+        print(f"\n{shape} ctx {args.context}: graph replay, µs per step")
+        print(f"{'left out':50} {'us/step':>8} {'saved':>7}")
+        for families in variants:
+            with left_out(model, families):
+                us = 1e6 / decode_speed(model, args.context, "fp16", steps=200)["replay_tok_s"]
+            base = us if base is None else base
+            print(f"{', '.join(families) or '(nothing)':50} {us:8.1f} {base - us:7.1f}")
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
