@@ -3,6 +3,8 @@ adds the same few tokens), and that the graph path (on the CPU its eager stand-i
 inputs, padding sequences included) gives the eager logits. tests/test_gpu_model.py replays real graphs."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,6 +61,24 @@ def test_a_step_of_alike_sequences_replays_and_equals_eager(model, tokens):
     # for another row count (seen on AMD EPYC: 1.3e-6 at most); a wrong page or padding row is off by ~1
     torch.testing.assert_close(runner.forward(batch), eager, rtol=1e-5, atol=1e-5)
     assert list(runner.graphs.by_shape) == [(4, tokens)]
+
+
+@pytest.mark.parametrize("host_bytes", [True, False])
+def test_a_smaller_step_after_a_full_one_pads_the_graph_anew(model, host_bytes):
+    """Four sequences, then three of them, through one graph of four, equal eager decoding, whether the inputs
+    come as Batch.build's host bytes (written into the graph's input image, one copy) or only as tensors (copied
+    input by input)."""
+    lengths = [5, 21, 40, 9]
+    cache, pages = prefilled(model, lengths)
+    runner = Runner(model, cache, max_batch=4, max_pages=4, eager=False)
+    for n in (4, 3):
+        batch = verify_batch(lengths[:n], pages[:n], [1] * n)
+        if not host_bytes:
+            batch = dataclasses.replace(batch, host=None)
+        eager = model.forward(batch, cache)
+        torch.testing.assert_close(runner.forward(batch), eager, rtol=1e-5, atol=1e-5)
+        lengths = [n + 1 for n in lengths]
+    assert list(runner.graphs.by_shape) == [(4, 1)]
 
 
 def test_other_steps_take_token_pieces(model):
