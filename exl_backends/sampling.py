@@ -11,6 +11,10 @@ Contract with generator.py
   rejection sampling. XTC's coin is folded into it as a mixture, so it is deterministic given the state.
 - `greedy(logits [B, V]) -> LongTensor [B]` is the fast path for a batch whose jobs all have
   `params.is_plain_greedy` and no constraint.
+- `sample_rows(logits [R, V], states) -> list[int | None]` is the fast path for the jobs of a step with
+  `params.is_plain_sampling` (temperature with top_k / top_p / min_p only), no mask and no logprobs: all rows in
+  one pass and one host read. `sample` takes the same route for such a row, so a job draws the same tokens alone
+  or in any batch.
 - Mirostat's mu moves in `accept(token)`, from the surprise of the token `sample` last chose; a token accepted
   without `sample` choosing it (a draft token) leaves mu as it was, so the generator must refuse mirostat together
   with speculative decoding.
@@ -154,6 +158,14 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits is the whole job: `greedy` may serve it (when it has no constraint either)."""
         return self.is_greedy and not self.has_penalties and not self.logit_bias and not self.banned_token_ids
+
+    @property
+    def is_plain_sampling(self) -> bool:
+        """Temperature > 0 with at most top_k, top_p and min_p on the raw logits: `sample_rows` may serve it (when
+        it has no mask and wants no logprobs), many jobs in one pass."""
+        return (not self.is_greedy and not self.has_penalties and not self.logit_bias and not self.banned_token_ids
+                and self.dynatemp_range == 0 and self.typical_p == 1 and self.top_a == 0
+                and self.xtc_probability == 0 and self.mirostat_tau == 0)
 
 
 def _is_real(value) -> bool:
@@ -476,15 +488,59 @@ def draw(dist: Tensor, rng: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, cdf[-1:] * u, right=True).clamp(max=last))
 
 
+def sample_rows(logits: Tensor, states: list[SamplerState]) -> list[int | None]:
+    """One token per row of logits [R, V] for jobs with params.is_plain_sampling, no mask and no logprobs: what
+    `sample` draws for each row alone (the same steps row by row, one uniform from each job's generator), in one
+    pass over the rows and one host read. None for a row whose logits have no finite maximum (NaN, +inf or all
+    -inf): `sample` on that row alone raises the error that names it."""
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise SamplingError(f"sample_rows takes logits [{len(states)}, V] for {len(states)} states, got "
+                            f"{tuple(logits.shape)}")
+    ps = [s.params for s in states]
+    if not all(p.is_plain_sampling for p in ps):
+        raise SamplingError("sample_rows serves plain sampling only (temperature > 0 with top_k, top_p, min_p)")
+    x = logits.float()
+    bad = ~torch.isfinite(x.max(-1).values)
+
+    def column(values) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(x.device, non_blocking=True)[:, None]
+    if any(p.temperature != 1 for p in ps):
+        x = x / column([p.temperature for p in ps])
+    if any(p.top_k > 0 for p in ps):
+        k = [min(p.top_k, x.shape[1]) or x.shape[1] for p in ps]
+        kth = torch.topk(x, max(k), -1).values.gather(1, column([i - 1 for i in k]).long())
+        x = x.masked_fill(x < kth, NEG_INF)
+    if any(p.top_p < 1 for p in ps):
+        sorted_logits, order = torch.sort(x, descending=False)
+        remove = sorted_logits.softmax(-1).cumsum(-1) <= column([1 - p.top_p for p in ps])
+        remove[:, -1] = False
+        x = x.masked_fill(remove.scatter(1, order, remove), NEG_INF)
+    if any(p.min_p > 0 for p in ps):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < column([p.min_p for p in ps]) * probs.max(-1, keepdim=True).values, NEG_INF)
+    cdf = x.softmax(-1).double().cumsum(-1)
+    u = torch.tensor([torch.rand((), generator=s.rng, dtype=torch.float64).item() for s in states],
+                     dtype=torch.float64).to(x.device, non_blocking=True)[:, None]
+    last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)
+    tokens = torch.minimum(torch.searchsorted(cdf, cdf[:, -1:] * u, right=True), last)[:, 0]
+    values, broken = torch.stack((tokens, bad.long())).tolist()
+    return [None if b else t for t, b in zip(values, broken)]
+
+
 def sample(logits: Tensor, state: SamplerState, mask: Tensor | None = None, n_logprobs: int = 0) -> SampleResult:
     """One token for one job (see the module docstring for the order of processing)."""
     if n_logprobs < 0:
         raise SamplingError(f"n_logprobs={n_logprobs}: expected an integer >= 0")
-    dist = probs(logits, state, mask)
-    token = int(dist.argmax()) if state.params.is_greedy else draw(dist, state.rng)
-    if state.params.mirostat_tau > 0:
-        surprise = -math.log2(dist[token].item())
-        state._pending_mu = (token, state.mu - state.params.mirostat_eta * (surprise - state.params.mirostat_tau))
+    token = None
+    if logits.dim() == 1 and mask is None and state.params.is_plain_sampling:
+        # the engine's batched route for such jobs (sample_rows), so a job draws the same tokens either way
+        token = sample_rows(logits[None], [state])[0]
+    if token is None:       # (for plain sampling, only when the logits are broken: probs names the problem)
+        dist = probs(logits, state, mask)
+        token = int(dist.argmax()) if state.params.is_greedy else draw(dist, state.rng)
+        if state.params.mirostat_tau > 0:
+            surprise = -math.log2(dist[token].item())
+            state._pending_mu = (token, state.mu - state.params.mirostat_eta * (surprise - state.params.mirostat_tau))
     logp = torch.log_softmax(logits.float(), -1)
     top = torch.topk(logp, min(n_logprobs, logp.numel()))
     return SampleResult(token, logp[token].item(), list(zip(top.indices.tolist(), top.values.tolist())))

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from exl_backends import sampling
 from exl_backends.errors import SamplingError
-from exl_backends.sampling import SamplerState, SamplingParams, greedy, probs, sample
+from exl_backends.sampling import SamplerState, SamplingParams, draw, greedy, probs, sample, sample_rows
 
 from conftest import TOKENIZER_DIR, needs_fixtures
 
@@ -330,6 +330,34 @@ def test_seeded_reproducibility_independent_of_batching():
     assert alone != [sample(x, state(temperature=0.9, top_p=0.95, seed=99)).token for x in logits]
 
 
+PLAIN = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5), dict(min_p=0.05),
+         dict(temperature=0.5, top_k=40, top_p=0.95, min_p=0.01), dict(temperature=2.0, top_p=0.0)]
+
+
+def test_rows_draw_what_each_row_draws_alone():
+    """sample_rows (the engine's pass over many plain-sampling jobs) against the specification row by row
+    (probs, then draw), each job with its own seed and settings, over steps with ties and removed tokens."""
+    batched = [state([1, 2], seed=i, **p) for i, p in enumerate(PLAIN)]
+    alone = [state([1, 2], seed=i, **p) for i, p in enumerate(PLAIN)]
+    for step in range(40):
+        rows = torch.stack([random_logits(100 * step + i) for i in range(len(PLAIN))])
+        assert sample_rows(rows, batched) == [draw(probs(x, s), s.rng) for x, s in zip(rows, alone)]
+
+
+def test_rows_with_broken_logits_give_none_there_only():
+    rows = torch.stack([random_logits(1), torch.full((V,), math.nan), random_logits(2), torch.full((V,), -math.inf)])
+    states = [state(seed=9, temperature=0.8) for _ in range(4)]
+    tokens = sample_rows(rows, states)
+    assert tokens[1] is None and tokens[3] is None
+    assert tokens[0] == sample(rows[0], state(seed=9, temperature=0.8)).token
+    with pytest.raises(SamplingError, match="NaN"):
+        sample(rows[1], state(seed=9, temperature=0.8))
+    with pytest.raises(SamplingError, match="plain sampling"):
+        sample_rows(rows[:1], [state(temperature=0.8, repetition_penalty=1.2)])
+    with pytest.raises(SamplingError, match=r"logits \[2, V\]"):
+        sample_rows(rows[:1], states[:2])
+
+
 def test_logprobs_are_the_raw_log_softmax():
     x = random_logits(6)
     s = state(temperature=0.5, top_k=3, repetition_penalty=1.5, seed=0)
@@ -363,6 +391,18 @@ def test_cuda_draws_equal_cpu():
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         cpu.accept(a.token)
         gpu.accept(b.token)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rows_equal_cpu_rows_alone():
+    """The engine's batched draw on the GPU gives each job what its row gives alone on the CPU (ties included:
+    random_logits has some at the top)."""
+    gpu = [state([1, 2], seed=i, **p) for i, p in enumerate(PLAIN)]
+    cpu = [state([1, 2], seed=i, **p) for i, p in enumerate(PLAIN)]
+    for step in range(20):
+        rows = torch.stack([random_logits(100 * step + i) for i in range(len(PLAIN))])
+        assert sample_rows(rows.cuda(), gpu) == [sample_rows(x[None], [s])[0] for x, s in zip(rows, cpu)]
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
