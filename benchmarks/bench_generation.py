@@ -1,7 +1,7 @@
 """The generation engine's speed claims (issue #6), on a synthetic Llama-3-8B-shape EXL2 model (4.0 bpw body):
 
   concurrency  aggregate tokens/s of 1, 4, 16 and 64 jobs submitted together (greedy, fixed length; target:
-               16 jobs >= 8x one job);
+               16 jobs >= 8x one job; `--sampling plain`: every job samples at temperature 0.8, top_p 0.9);
   ttft         time to first token of a 2000-token prompt whose first 1900 tokens are in the prefix cache, vs the
                same length uncached (target >= 5x);
   speculative  what a speculative step costs on this device: one graph-replayed decode token vs a verify
@@ -35,6 +35,7 @@ from exl_backends import Generator, SamplingParams  # noqa: E402
 from exl_backends.batch import Batch, SeqChunk  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
+SAMPLINGS = {"greedy": GREEDY, "plain": SamplingParams(temperature=0.8, top_p=0.9)}
 CODE = '''def moving_average(values, window):
     """Average of each run of `window` consecutive values."""
     if window <= 0:
@@ -60,20 +61,21 @@ def sync(device: torch.device) -> None:
 
 # ---- concurrency ---------------------------------------------------------------------------------------------------
 
-def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile: bool = False) -> list[dict]:
+def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile: bool = False,
+                sampling: SamplingParams = GREEDY) -> list[dict]:
     seq = prompt_len + max_tokens
     gen = Generator(lm, max_batch_size=max(levels), max_seq_len=seq, cache_tokens=max(levels) * (seq + lm.page_size))
     vocab = lm.exl_config.vocab_size
     rows = []
     for i, n in enumerate(levels):
-        in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens)      # warm-up: graphs
-        r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens)
+        in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens, sampling)   # warm-up
+        r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens, sampling)
         rows.append(dict(jobs=n, tok_s=r["tok_s"], per_job_tok_s=r["per_request_tok_s"], ttft_ms=r["ttft_ms"]))
     if profile:     # the last level's jobs, consumed (so their steps run) in this thread, where cProfile sees them
         n = levels[-1]
         prompts = random_prompts(n, prompt_len, vocab, seed=4000)
         with cProfile.Profile() as profiler:
-            jobs = [gen.submit(p, max_new_tokens=max_tokens, min_new_tokens=max_tokens, sampling=GREEDY)
+            jobs = [gen.submit(p, max_new_tokens=max_tokens, min_new_tokens=max_tokens, sampling=sampling)
                     for p in prompts]
             sum(len(c.token_ids) for job in jobs for c in job)
             sync(lm.model.device)
@@ -226,6 +228,7 @@ def main() -> None:
     ap.add_argument("--ttft-prefix", type=int, default=1900)
     ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
     ap.add_argument("--draft-k", default="2,4,7")     # 1 + k <= runner.MAX_TOKENS: a captured verify step
+    ap.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="the concurrency jobs' sampling")
     ap.add_argument("--profile", action="store_true", help="cProfile the last level's jobs after the concurrency runs")
     ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
     ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model")
@@ -248,8 +251,8 @@ def main() -> None:
         lm = SyntheticLM(synthetic_model(args.shape, device=args.device), WordTokenizer(), seq, args.cache_mode)
     if "concurrency" in parts:
         for r in concurrency(lm, [int(x) for x in args.levels.split(",")], args.prompt_len, args.max_tokens,
-                                 args.profile):
-            lines.append(f"{args.shape} {r['jobs']:>3} jobs: {r['tok_s']:8.1f} tok/s aggregate "
+                             args.profile, SAMPLINGS[args.sampling]):
+            lines.append(f"{args.shape} {r['jobs']:>3} {args.sampling} jobs: {r['tok_s']:8.1f} tok/s aggregate "
                          f"({r['vs_one_job']:.1f}x one job), {r['per_job_tok_s']:.1f} tok/s per job, "
                          f"TTFT {r['ttft_ms']:.0f} ms")
     if "ttft" in parts:

@@ -84,16 +84,17 @@ def summary(records: list[dict], wall: float) -> dict:
 
 # ---- in-process ----------------------------------------------------------------------------------------------------
 
-def in_process(gen, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+def in_process(gen, prompts: list[list[int]], concurrency: int, max_tokens: int, sampling=None) -> dict:
+    """`concurrency` threads share the prompts; each job runs max_tokens tokens (greedy unless `sampling`)."""
     from exl_backends.sampling import SamplingParams
-    greedy = SamplingParams(temperature=0.0)
+    sampling = sampling or SamplingParams(temperature=0.0)
     records, lock = [], threading.Lock()
 
     def client(mine: list[list[int]]):
         for p in mine:
             t0 = time.perf_counter()
             first, n = None, 0
-            for chunk in gen.submit(p, max_new_tokens=max_tokens, min_new_tokens=max_tokens, sampling=greedy):
+            for chunk in gen.submit(p, max_new_tokens=max_tokens, min_new_tokens=max_tokens, sampling=sampling):
                 first = first or time.perf_counter()
                 n += len(chunk.token_ids)
             with lock:
