@@ -8,10 +8,11 @@ One step (`_step`):
   4. per job: choose the next token (sample it, or verify the drafted ones), commit it, check stops and banned
      strings, queue the text that became safe to show (job.py, detokenizer.py);
   5. finished jobs leave at once; their full pages stay cached for prefix reuse until memory is needed (pages.py).
-While every job of a decode step is a plain greedy decoder (and nothing waits to be admitted, drafted or taken
-back), the next decode step goes to the GPU before this one's tokens reach the host, fed this step's argmax on the
-device (`Launched`), so the host's work on a step overlaps the GPU's on the next instead of leaving it idle; a job
-that ends on a token wastes the one step launched after it.
+While every job of a decode step has its token chosen on the device (a plain greedy decoder, or plain sampling
+with nothing banned at that position) and nothing waits to be admitted, drafted or taken back, the next decode
+step goes to the GPU before this one's tokens reach the host, fed this step's tokens on the device (`Launched`), so
+the host's work on a step overlaps the GPU's on the next instead of leaving it idle; a job that ends on a token
+wastes the one step launched after it.
 
 Context: a prompt must leave room for one new token (len(prompt) < max_seq_len, else ContextLengthError);
 max_new_tokens is then cut to what fits in max_seq_len, and the job ends with finish_reason "length" there.
@@ -41,7 +42,8 @@ from .job import Chunk, Completion, Job
 from .model import Model
 from .pages import PageManager
 from .runner import Runner
-from .sampling import SampleResult, SamplerState, SamplingParams, draw, greedy, probs, sample, sample_rows
+from .sampling import (NEG_INF, SampleResult, SamplerState, SamplingParams, draw, draw_rows, greedy, probs, sample,
+                       sample_rows)
 from .scheduler import Scheduler
 from .speculative import DraftModel, NgramIndex, verify
 
@@ -266,7 +268,7 @@ class Generator:
         # the GPU's on the next (it is fed this step's argmax on the device)
         live = [job for job, _ in step.plan if not job.is_finished]
         self._ahead = self._launch_next(step) if live and self._can_look_ahead(live, 1) else None
-        self._take_tokens(step.plan, step.chunks, step.rows, step.logits, {}, step.tokens())
+        self._take_tokens(step.plan, step.chunks, step.rows, step.logits, {}, *step.tokens())
         return True
 
     def _copy_heads(self) -> None:
@@ -284,16 +286,15 @@ class Generator:
     def _can_look_ahead(self, jobs: list[Job], ahead: int) -> bool:
         """Whether the step after a launched one can go now, `ahead` tokens past each job's last committed one
         (0: whether a step just run can be treated as launched): nothing waits to be admitted or drafted, and each
-        job is a plain greedy decoder (no constraint, sampler or banned string, which may take a token back) below
-        its length limit there."""
+        job, below its length limit there, has its token there chosen on the device."""
         if self._inbox or self.scheduler.waiting or self.scheduler.n_draft or not self._own_model:
             return False
-        return all(job.is_plain_greedy and not job.banned_strings and len(job.tokens) + ahead < job.max_tokens
-                   and (ahead or job.is_decoding) for job in jobs)
+        return all(len(job.tokens) + ahead < job.max_tokens and (ahead or job.is_decoding)
+                   and chosen_on_device(job, len(job.tokens) + ahead) for job in jobs)
 
     def _launch_next(self, step: "Launched") -> "Launched":
         """The decode step after `step` (whose tokens are not yet committed) for its unfinished jobs, its input
-        tokens taken from step's argmax on the device."""
+        tokens taken from step's tokens on the device."""
         keep = [i for i, (job, _) in enumerate(step.plan) if not job.is_finished]
         plan = [step.plan[i] for i in keep]
         chunks = []
@@ -311,12 +312,15 @@ class Generator:
         return SeqChunk(job.tokens[job.n_cached:job.n_cached + width], job.n_cached, job.pages)
 
     def _take_tokens(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range],
-                     logits: Tensor | None, drafts: dict, top: list[int] | None = None) -> None:
-        """Commits each job's tokens from its logits rows (or from the argmax `top` alone, for a launched step),
-        then retires finished jobs and queues text. Jobs that finished since the step was launched are skipped."""
+                     logits: Tensor | None, drafts: dict, top: list[int] | None = None,
+                     drawn: dict[Job, int | None] | None = None) -> None:
+        """Commits each job's tokens from its logits rows (for a launched step from its tokens alone: `top` and
+        the `drawn` ones of its sampling jobs), then retires finished jobs and queues text. Jobs that finished since
+        the step was launched are skipped."""
         if top is None and any(job.is_plain_greedy for job, _ in plan):
             top = greedy(logits).tolist()       # one host sync
-        plain = self._plain_samples(plan, rows, logits) if logits is not None else {}
+        if drawn is None:
+            drawn = self._plain_samples(plan, rows, logits) if logits is not None else {}
         first = 0
         for (job, _), chunk, rs in zip(plan, chunks, rows):
             first += len(rs)
@@ -325,7 +329,7 @@ class Generator:
             job.n_cached += len(chunk.tokens)
             if rs:
                 drafted, qs = drafts.get(job, NO_DRAFT)
-                self._decide(job, logits, range(first - len(rs), first), top, drafted, qs, plain.get(job))
+                self._decide(job, logits, range(first - len(rs), first), top, drafted, qs, drawn.get(job))
             # K/V past the last committed token belong to rejected drafts or taken-back tokens: not cached
             last = len(job.tokens) - 1
             job.n_cached = min(job.n_cached, last)
@@ -477,31 +481,61 @@ class Generator:
             job.n_draft_cached = c.start + len(c.tokens)
 
 
+def chosen_on_device(job: Job, position: int) -> bool:
+    """Whether Launched can choose the job's token at position on the device, so that a step can be fed it before
+    the host sees it: a plain greedy decoder (its stop tokens masked there while min_new_tokens bans them), or plain
+    sampling (sampling.draw_rows) with nothing banned there and no logprobs; never with banned strings, which may
+    take a token back."""
+    if job.banned_strings:
+        return False
+    if job.is_plain_greedy:
+        return True
+    return (job.state.params.is_plain_sampling and job.constraint is None and not job.n_logprobs
+            and position >= job.min_tokens)
+
+
 class Launched:
-    """A decode step of plain greedy jobs sent to the GPU: its jobs, chunks and logits rows, and its argmax
-    (int64 [R] on the device), copied to pinned host memory without waiting, so that reading it waits for this
-    step's kernels only, not for the ones queued after them. The logits themselves (a graph's output, which the
-    next step overwrites) are copied only when a job may need more than the argmax: a position where its stop
-    tokens are still banned (min_new_tokens), or logprobs. `ahead`: how many tokens past each job's last committed
-    one the step's tokens go."""
+    """A decode step sent to the GPU whose jobs' tokens (chosen_on_device) are chosen there: its jobs, chunks and
+    logits rows, and its tokens (int64 [R] on the device: each greedy job's argmax, its stop tokens masked while
+    min_new_tokens bans them, and each sampling job's draw, whose uniform is taken now), copied to pinned host memory
+    without waiting, so that reading them waits for this step's kernels only, not for the ones queued after them.
+    The logits themselves (a graph's output, which the next step overwrites) are copied only when a job may need
+    more than its token: logprobs, or a sampled row that turns out broken (sample then names the problem).
+    `ahead`: how many tokens past each job's last committed one the step's tokens go."""
 
     def __init__(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range], logits: Tensor,
                  ahead: int):
         self.plan, self.chunks, self.rows = plan, chunks, rows
-        self.top = self.host = greedy(logits)
-        needed = any(job.n_logprobs or len(job.tokens) + ahead < job.min_tokens for job, _ in plan)
+        self.top = greedy(logits)
+        for i, (job, _) in enumerate(plan):
+            if job.is_plain_greedy and len(job.tokens) + ahead < job.min_tokens and job.stop_ids:
+                stops = torch.tensor([t for t in job.stop_ids if t < logits.shape[-1]], dtype=torch.long)
+                self.top[i] = logits[i].index_fill(0, stops.to(logits.device, non_blocking=True), NEG_INF).argmax()
+        sampled = [i for i, (job, _) in enumerate(plan) if not job.is_plain_greedy]
+        broken = torch.zeros_like(self.top)
+        if sampled:
+            index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+            tokens, bad = draw_rows(logits.index_select(0, index), [plan[i][0].state for i in sampled])
+            self.top.index_copy_(0, index, tokens)
+            broken.index_copy_(0, index, bad.long())
+        self.sampled = [plan[i][0] for i in sampled]
+        needed = sampled or any(job.n_logprobs for job, _ in plan)
         self.logits = logits.clone() if needed else None
+        self.host = torch.stack((self.top, broken))
         self.done = None
         if logits.is_cuda:
-            self.host = torch.empty(self.top.shape, dtype=self.top.dtype, pin_memory=True)
-            self.host.copy_(self.top, non_blocking=True)
+            device_copy, self.host = self.host, torch.empty(self.host.shape, dtype=self.host.dtype, pin_memory=True)
+            self.host.copy_(device_copy, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
 
-    def tokens(self) -> list[int]:
+    def tokens(self) -> tuple[list[int], dict[Job, int | None]]:
+        """(every row's token, the sampled jobs' tokens: None where the row's logits were broken)."""
         if self.done is not None:
             self.done.synchronize()
-        return self.host.tolist()
+        top, broken = self.host.tolist()
+        rows = {job: i for i, (job, _) in enumerate(self.plan)}
+        return top, {job: None if broken[rows[job]] else top[rows[job]] for job in self.sampled}
 
 
 def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:

@@ -493,6 +493,14 @@ def sample_rows(logits: Tensor, states: list[SamplerState]) -> list[int | None]:
     `sample` draws for each row alone (the same steps row by row, one uniform from each job's generator), in one
     pass over the rows and one host read. None for a row whose logits have no finite maximum (NaN, +inf or all
     -inf): `sample` on that row alone raises the error that names it."""
+    tokens, bad = draw_rows(logits, states)
+    values, broken = torch.stack((tokens, bad.long())).tolist()
+    return [None if b else t for t, b in zip(values, broken)]
+
+
+def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tensor]:
+    """sample_rows without the host read: (tokens int64 [R], broken bool [R]) on the logits' device. Each job's
+    uniform is drawn now, so a step may be queued on these tokens before they are read (generator.Launched)."""
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise SamplingError(f"sample_rows takes logits [{len(states)}, V] for {len(states)} states, got "
                             f"{tuple(logits.shape)}")
@@ -522,9 +530,7 @@ def sample_rows(logits: Tensor, states: list[SamplerState]) -> list[int | None]:
     u = torch.tensor([torch.rand((), generator=s.rng, dtype=torch.float64).item() for s in states],
                      dtype=torch.float64).to(x.device, non_blocking=True)[:, None]
     last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)
-    tokens = torch.minimum(torch.searchsorted(cdf, cdf[:, -1:] * u, right=True), last)[:, 0]
-    values, broken = torch.stack((tokens, bad.long())).tolist()
-    return [None if b else t for t, b in zip(values, broken)]
+    return torch.minimum(torch.searchsorted(cdf, cdf[:, -1:] * u, right=True), last)[:, 0], bad
 
 
 def sample(logits: Tensor, state: SamplerState, mask: Tensor | None = None, n_logprobs: int = 0) -> SampleResult:

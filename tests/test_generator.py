@@ -241,6 +241,36 @@ def test_steps_launched_ahead_change_no_token(tiny, monkeypatch):
     assert n_plain <= n_ahead <= n_plain + 4      # a launched step is wasted at most when a job stops on a token
 
 
+def test_steps_launched_ahead_for_sampling_and_banned_stops(tiny, monkeypatch):
+    """Look-ahead feeds the next step the token the job takes, not the raw argmax: a greedy job whose argmax is a
+    stop token that min_new_tokens still bans (the masked argmax), and plain-sampling jobs (drawn on the device,
+    one uniform each; one of them waits out min_new_tokens first) give the tokens of stepping one at a time, and
+    their steps are launched ahead."""
+    model, _ = tiny
+    prompts = random_prompts(3, seed=30)
+    stops = [alone(model, p)[1] for p in prompts]            # the argmax at the second new token
+    greedy_job = [dict(prompt=prompts[0], max_new_tokens=12, stop_token_ids=[stops[0]], min_new_tokens=5)]
+    sampling_jobs = [dict(prompt=prompts[1], max_new_tokens=12, stop_token_ids=[],
+                          sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3)),
+                     dict(prompt=prompts[2], max_new_tokens=12, stop_token_ids=[stops[2]], min_new_tokens=4,
+                          sampling=SamplingParams(temperature=1.2, min_p=0.05, seed=4))]
+
+    def run(specs):
+        gen = make(model)
+        jobs = [gen.submit(**spec) for spec in specs]
+        return [job.result().token_ids for job in jobs]
+
+    launched = []
+    launch = Generator._launch_next
+    monkeypatch.setattr(Generator, "_launch_next", lambda self, step: launched.append(step) or launch(self, step))
+    ahead = run(greedy_job)
+    assert len(launched) >= 9 and ahead[0][1] != stops[0] and len(ahead[0]) == 12
+    ahead += run(sampling_jobs)
+    assert any(step.sampled for step in launched)
+    monkeypatch.setattr(Generator, "_can_look_ahead", lambda self, jobs, ahead: False)
+    assert run(greedy_job) + run(sampling_jobs) == ahead
+
+
 def test_more_jobs_than_pages_wait_and_all_finish(tiny):
     model, _ = tiny
     gen = make(model, cache_tokens=8 * PAGE)   # a job of 20 + 20 tokens takes 3 pages: two fit at once
