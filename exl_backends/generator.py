@@ -265,7 +265,7 @@ class Generator:
                 return True
             step = Launched(plan, chunks, rows, logits, 0)
         # the next step goes to the GPU before this one's tokens are read, so that the host's work on them overlaps
-        # the GPU's on the next (it is fed this step's argmax on the device)
+        # the GPU's on the next (it is fed this step's tokens on the device)
         live = [job for job, _ in step.plan if not job.is_finished]
         self._ahead = self._launch_next(step) if live and self._can_look_ahead(live, 1) else None
         self._take_tokens(step.plan, step.chunks, step.rows, step.logits, {}, *step.tokens())
@@ -347,8 +347,7 @@ class Generator:
         picked, first = [], 0
         for (job, _), rs in zip(plan, rows):
             first += len(rs)
-            if (len(rs) == 1 and not job.is_finished and job.state.params.is_plain_sampling and not job.n_logprobs
-                    and job.constraint is None and not job.banned_at(len(job.tokens))):
+            if len(rs) == 1 and not job.is_finished and job.samples_plainly(len(job.tokens)):
                 picked.append((job, first - 1))
         if not picked:
             return {}
@@ -359,15 +358,15 @@ class Generator:
         return {job: token for (job, _), token in zip(picked, tokens)}
 
     def _decide(self, job: Job, logits: Tensor, rows: range, top: list[int] | None, drafted: list[int],
-                qs: list[Tensor] | None, plain: int | None = None) -> None:
+                qs: list[Tensor] | None, drawn: int | None = None) -> None:
         """Commits the job's next tokens from its rows of logits [R, V] (1 + len(drafted) of them): its i-th row
-        gives the token after drafted[:i]; drafted tokens are kept while the chosen token equals them. plain: the
-        token _plain_samples drew for its one row."""
+        gives the token after drafted[:i]; drafted tokens are kept while the chosen token equals them. drawn: the
+        token already drawn for its one row (_plain_samples, Launched)."""
         try:
             for i, row in enumerate(rows):
                 draft = drafted[i] if i < len(drafted) else None
-                if plain is not None:
-                    token, logprob = plain, None
+                if drawn is not None:
+                    token, logprob = drawn, None
                 else:
                     token, logprob = self._choose(job, logits, row, top, draft,
                                                   qs[i] if qs and draft is not None else None)
@@ -484,14 +483,8 @@ class Generator:
 def chosen_on_device(job: Job, position: int) -> bool:
     """Whether Launched can choose the job's token at position on the device, so that a step can be fed it before
     the host sees it: a plain greedy decoder (its stop tokens masked there while min_new_tokens bans them), or plain
-    sampling (sampling.draw_rows) with nothing banned there and no logprobs; never with banned strings, which may
-    take a token back."""
-    if job.banned_strings:
-        return False
-    if job.is_plain_greedy:
-        return True
-    return (job.state.params.is_plain_sampling and job.constraint is None and not job.n_logprobs
-            and position >= job.min_tokens)
+    sampling there (sampling.draw_rows); never with banned strings, which may take a token back."""
+    return not job.banned_strings and (job.is_plain_greedy or job.samples_plainly(position))
 
 
 class Launched:
@@ -518,7 +511,7 @@ class Launched:
             tokens, bad = draw_rows(logits.index_select(0, index), [plan[i][0].state for i in sampled])
             self.top.index_copy_(0, index, tokens)
             broken.index_copy_(0, index, bad.long())
-        self.sampled = [plan[i][0] for i in sampled]
+        self.sampled = [(plan[i][0], i) for i in sampled]
         needed = sampled or any(job.n_logprobs for job, _ in plan)
         self.logits = logits.clone() if needed else None
         self.host = torch.stack((self.top, broken))
@@ -534,8 +527,7 @@ class Launched:
         if self.done is not None:
             self.done.synchronize()
         top, broken = self.host.tolist()
-        rows = {job: i for i, (job, _) in enumerate(self.plan)}
-        return top, {job: None if broken[rows[job]] else top[rows[job]] for job in self.sampled}
+        return top, {job: None if broken[i] else top[i] for job, i in self.sampled}
 
 
 def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:

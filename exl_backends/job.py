@@ -105,6 +105,12 @@ class Job:
             banned += self.stop_ids
         return banned
 
+    def samples_plainly(self, position: int) -> bool:
+        """Whether the token at position is plain sampling, which sampling.sample_rows / draw_rows serve for many
+        jobs at once: no constraint, no logprobs, nothing banned there."""
+        return (self.state.params.is_plain_sampling and self.constraint is None and not self.n_logprobs
+                and not self.bans.get(position) and not (position < self.min_tokens and self.stop_ids))
+
     def is_banned(self, position: int, token: int) -> bool:
         """token in banned_at(position), without building the list (asked for every token of every job)."""
         return token in self.bans.get(position, ()) or (position < self.min_tokens and token in self.stop_ids)
