@@ -502,7 +502,7 @@ def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tenso
     """sample_rows without the host read: (tokens int64 [R], broken bool [R]) on the logits' device. Each job's
     uniform is drawn now, so a step may be queued on these tokens before they are read (generator.Launched)."""
     if logits.dim() != 2 or logits.shape[0] != len(states):
-        raise SamplingError(f"sample_rows takes logits [{len(states)}, V] for {len(states)} states, got "
+        raise SamplingError(f"sample_rows and draw_rows take logits [{len(states)}, V] for {len(states)} states, got "
                             f"{tuple(logits.shape)}")
     ps = [s.params for s in states]
     if not all(p.is_plain_sampling for p in ps):
