@@ -120,4 +120,6 @@ def pack(longs: list[int], ints: list[int]) -> Tensor:
 def upload(t: Tensor, device: torch.device) -> Tensor:
     """A host tensor on device; to a GPU through pinned memory, without waiting (the caching host allocator keeps
     the pinned block until the copy has run)."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    if device.type == "cpu":    # a copy there too: a batch's tensors never share memory with its host bytes
+        return t.clone()
+    return t.pin_memory().to(device, non_blocking=True)

@@ -125,6 +125,27 @@ def test_token_pieces_equal_eager_and_pad_into_the_trash_page(model, tokens):
     torch.testing.assert_close(runner.forward(longer), model.forward(longer, cache), rtol=1e-5, atol=1e-5)
 
 
+def test_launched_steps_through_graphs_keep_the_output(tmp_path, monkeypatch):
+    """The generator's look-ahead on the graph path: a launched step's input tokens are the step before's tokens on
+    the device (its argmax, or a sampling job's draw), written into the batch after Batch.build, and the graph
+    must take those, not the placeholders Batch.build packed."""
+    from exl_backends import ExlForCausalLM, SamplingParams
+    save_tiny(tmp_path, tiny_config("llama"))
+    lm = ExlForCausalLM.from_pretrained(tmp_path, device="cpu")
+    prompts = repetitive_prompts(3, seed=6)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    plain = [run(generator_module.Generator(lm, page_size=PAGE, cache_tokens=16 * 64), prompts, sampling=s)
+             for s in (None, sampling)]
+    launched = []
+    launch = generator_module.Generator._launch_next
+    monkeypatch.setattr(generator_module.Generator, "_launch_next",
+                        lambda self, step: launched.append(step) or launch(self, step))
+    monkeypatch.setattr(generator_module, "Runner", lambda *args, eager: Runner(*args, eager=False))
+    gen = generator_module.Generator(lm, page_size=PAGE, cache_tokens=16 * 64, max_batch_size=4)
+    assert [run(gen, prompts, sampling=s) for s in (None, sampling)] == plain
+    assert len(launched) > 20 and list(gen.runner.graphs.by_shape) == [(4, 1)]
+
+
 @pytest.mark.parametrize("drafting", ["ngram", "draft-model"])
 def test_verify_steps_through_graphs_keep_greedy_output(tmp_path, monkeypatch, drafting):
     """The generator drafting, its runner on the graph path: verify steps take graphs of several tokens per
