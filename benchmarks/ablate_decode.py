@@ -29,7 +29,8 @@ def _no_matmul(self, x):
 
 def _no_stage(self, x):
     if self.x1 is None:
-        self.x1 = torch.zeros(len(self.layouts) * self.k * 5 // 4 + 64, dtype=torch.float16, device=x.device)
+        parts = len(self.layouts)       # QuantMatmul._stage_x1's buffer: x per part, then float2 corrections
+        self.x1 = torch.zeros(parts * self.k + parts * (self.k // 32) * 4, dtype=torch.float16, device=x.device)
     return self.x1
 
 
