@@ -337,8 +337,9 @@ def top_k(logits: Tensor, k: int) -> Tensor:
 
 
 def top_p(logits: Tensor, p: float) -> Tensor:
-    """transformers' TopPLogitsWarper: keeps the most likely tokens until their mass reaches p (at least one)."""
-    sorted_logits, order = torch.sort(logits, descending=False)
+    """transformers' TopPLogitsWarper: keeps the most likely tokens until their mass reaches p (at least one). The
+    sort is stable, so tied tokens at the cut go in index order (lowest first) on every device."""
+    sorted_logits, order = torch.sort(logits, descending=False, stable=True)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
     remove = cumulative <= 1 - p
     remove[-1] = False
@@ -355,7 +356,7 @@ def typical_p(logits: Tensor, mass: float) -> Tensor:
     """transformers' TypicalLogitsWarper: keeps the tokens whose surprise is closest to the entropy, up to mass."""
     logp = torch.log_softmax(logits, -1)
     entropy = -(logp * logp.exp()).nansum()
-    shifted, order = torch.sort((-logp - entropy).abs())
+    shifted, order = torch.sort((-logp - entropy).abs(), stable=True)
     cumulative = logits[order].softmax(-1).cumsum(-1)
     last = (cumulative < mass).sum().clamp(max=logits.numel() - 1)
     remove = shifted > shifted[last]
@@ -519,7 +520,7 @@ def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tenso
         kth = torch.topk(x, max(k), -1).values.gather(1, column([i - 1 for i in k]).long())
         x = x.masked_fill(x < kth, NEG_INF)
     if any(p.top_p < 1 for p in ps):
-        sorted_logits, order = torch.sort(x, descending=False)
+        sorted_logits, order = torch.sort(x, descending=False, stable=True)      # as top_p: ties in index order
         remove = sorted_logits.softmax(-1).cumsum(-1) <= column([1 - p.top_p for p in ps])
         remove[:, -1] = False
         x = x.masked_fill(remove.scatter(1, order, remove), NEG_INF)

@@ -52,12 +52,23 @@ def test_warpers_equal_transformers(seed):
     assert torch.equal(sampling.temperature(x, 0.7), hf(TemperatureLogitsWarper(0.7), x))
     for k in (1, 5, 40, V, V + 10):
         assert torch.equal(sampling.top_k(x, k), hf(TopKLogitsWarper(k), x))
-    for p in (0.0, 0.1, 0.5, 0.9, 0.999, 1.0):
-        assert torch.equal(sampling.top_p(x, p), hf(TopPLogitsWarper(p), x))
     for p in (0.0, 0.01, 0.2, 0.9, 1.0):
         assert torch.equal(sampling.min_p(x, p), hf(MinPLogitsWarper(p), x))
+    # the sorting warpers break ties by index (stable sort, the same on every device); transformers' sort is not
+    # stable, so it is compared where nothing ties
+    x = x + torch.arange(V) * 1e-3
+    for p in (0.0, 0.1, 0.5, 0.9, 0.999, 1.0):
+        assert torch.equal(sampling.top_p(x, p), hf(TopPLogitsWarper(p), x))
     for mass in (0.05, 0.5, 0.95):
         assert torch.equal(sampling.typical_p(x, mass), hf(TypicalLogitsWarper(mass), x))
+
+
+def test_top_p_cuts_ties_in_index_order():
+    """Tied tokens at the cut go lowest index first, so top_p=0 over three tied maxima keeps the last of them."""
+    x = random_logits(0, n_removed=0)
+    x[[3, 500, 993]] = x.max() + 1
+    assert torch.isfinite(sampling.top_p(x, 0.0)).nonzero().flatten().tolist() == [993]
+    assert sampling.sample_rows(x[None], [state(temperature=2.0, top_p=0.0)]) == [993]
 
 
 @pytest.mark.parametrize("seed", range(5))
