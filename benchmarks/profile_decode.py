@@ -1,7 +1,8 @@
 """Where a decode step's GPU time goes: torch.profiler over eager decode steps of a synthetic model, kernels
-grouped by name (sum of CUDA time per step), plus the step's wall time with and without graph replay.
+grouped by name (sum of CUDA time per step). --tokens N: steps of N tokens each (a speculative verify step of
+1 + k tokens), logits for every one.
 
-    python benchmarks/profile_decode.py [--shape llama-3-8b] [--context 256] [--cache-mode fp16]
+    python benchmarks/profile_decode.py [--shape llama-3-8b] [--context 256] [--cache-mode fp16] [--tokens 5]
 """
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--cache-mode", default="fp16")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per step")
     args = ap.parse_args()
     model = synthetic_model(args.shape)
     ps = 256
-    n_pages = -(-(args.context + args.steps + 8) // ps)
+    n = args.tokens
+    n_pages = -(-(args.context + (args.steps + 3) * n + 8) // ps)
     cache = KVCache(model.config, n_pages, ps, args.cache_mode, "cuda", torch.float16)
     fill_cache(cache)
     pages = cache.pool.allocate(n_pages)
-    batches = [Batch.build([SeqChunk([7], args.context + i, pages)], ps, "cuda") for i in range(args.steps + 3)]
+    batches = [Batch.build([SeqChunk([7] * n, args.context + i * n, pages)], ps, "cuda", all_logits=True)
+               for i in range(args.steps + 3)]
     for b in batches[:3]:
         model.forward(b, cache)
     torch.cuda.synchronize()
@@ -46,7 +50,7 @@ def main() -> None:
         if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
             rows[e.key] = (e.self_device_time_total / args.steps, e.count / args.steps)
     total = sum(t for t, _ in rows.values())
-    print(f"\n{args.shape} ctx {args.context} {args.cache_mode}: weights {weight_bytes(model) / 1e9:.2f} GB; "
+    print(f"\n{args.shape} ctx {args.context} {args.cache_mode}, {n} tokens a step: weights {weight_bytes(model) / 1e9:.2f} GB; "
           f"GPU time per step {total / 1e3:.3f} ms")
     print(f"{'kernel':70} {'us/step':>9} {'calls':>6} {'%':>5}")
     for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:25]:
