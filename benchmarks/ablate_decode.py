@@ -27,11 +27,12 @@ def _no_matmul(self, x):
     return [torch.empty(*x.shape[:-1], lay.n, dtype=x.dtype, device=x.device) for lay in self.layouts]
 
 
-def _no_stage(self, x):
-    if self.x1 is None:
-        parts = len(self.layouts)       # QuantMatmul._stage_x1's buffer: x per part, then float2 corrections
-        self.x1 = torch.zeros(parts * self.k + parts * (self.k // 32) * 4, dtype=torch.float16, device=x.device)
-    return self.x1
+def _no_stage(self, x, rows):
+    cls = quant_matmul.rows_class(rows)
+    if cls not in self.staged:          # QuantMatmul._stage's buffer: x rows per part, then float2 corrections
+        self.staged[cls] = torch.zeros(len(self.layouts) * cls * (self.k + (self.k // 32) * 4), dtype=torch.float16,
+                                       device=x.device)
+    return self.staged[cls]
 
 
 OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-free stand-in
@@ -40,7 +41,7 @@ OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-
     "rope_kv_write": dict(rope_write=lambda q, *a: q),
     "silu_mul": dict(silu_mul=lambda gate, up: gate),
 }
-CLASS_LEFT_OUT = {"stage_x1": ("_stage_x1", _no_stage), "matmul": ("forward", _no_matmul)}
+CLASS_LEFT_OUT = {"stage_xs": ("_stage", _no_stage), "matmul": ("forward", _no_matmul)}
 
 
 @contextlib.contextmanager
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
     ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
-    variants = [[]] + [[f] for f in [*OPS_LEFT_OUT, *CLASS_LEFT_OUT]] + [[*OPS_LEFT_OUT, "stage_x1"]]
+    variants = [[]] + [[f] for f in [*OPS_LEFT_OUT, *CLASS_LEFT_OUT]] + [[*OPS_LEFT_OUT, "stage_xs"]]
     for shape in args.shapes.split(","):
         model = synthetic_model(shape)
         base = None

@@ -20,6 +20,8 @@ The decode graphs come from model.decode_graphs: a Model's own, or under tensor 
 step over its shard at the same first use (the NCCL all-reduces captured with it) and replays it in lockstep."""
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import fields
 
 import numpy as np
@@ -175,9 +177,24 @@ def _capture(model: Model, k: int, batch: Batch, cache: KVCache, carry, pool) ->
         model.stage_forward(k, batch, cache, carry)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=side):     # (torch's default capture stream: the first device's)
+    with capturing(graph, pool, side):     # (on side: torch's default capture stream is the first device's)
         out = model.stage_forward(k, batch, cache, carry)
     return graph, out
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
+    """torch.cuda.graph with the garbage collector paused: a collection could free a dropped generator's graphs,
+    and resetting a graph while a capture runs invalidates that capture (CUDA: "operation not permitted when
+    stream is capturing"); torch no longer collects before a capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -276,7 +293,7 @@ class PrefillGraphs:
         graphs = []
         for i in pieces:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=side):
+            with capturing(graph, self.pool, side):
                 self._piece(i, size)
             graphs.append(graph)
         return graphs

@@ -2,6 +2,7 @@
 with graph-captured decode against eager decode."""
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -98,6 +99,31 @@ def test_speculative_verify_graphs_generate_the_eager_tokens(drafting):
     gen, replayed = run(True)
     assert any(tokens > 1 for _, tokens in gen.runner.graphs.by_shape)
     assert replayed == run(False)[1]
+
+
+@needs_fixtures()
+def test_a_dropped_generator_collected_during_a_capture_leaves_it_intact():
+    """A generator dropped in a reference cycle keeps its graphs until the garbage collector frees them; freeing
+    them while another generator captures a graph would invalidate that capture, so captures pause the collector
+    (it collects on nearly every allocation here)."""
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                           max_seq_len=256)
+    prompt = [509] + list(range(20, 40))
+
+    def dropped_in_a_cycle():
+        gen = Generator(model, max_batch_size=2)
+        gen.generate(prompt, max_new_tokens=4, stop_token_ids=[])
+        gen.cycle = gen
+    eager = Generator(model, cuda_graphs=False).generate(prompt, max_new_tokens=12, stop_token_ids=[]).token_ids
+    thresholds = gc.get_threshold()
+    dropped_in_a_cycle()
+    gc.set_threshold(1, 1, 1)
+    try:
+        gen = Generator(model, max_batch_size=2)
+        tokens = gen.generate(prompt, max_new_tokens=12, stop_token_ids=[]).token_ids
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gen.runner.graphs.by_shape and tokens == eager
 
 
 @needs_fixtures()

@@ -35,28 +35,24 @@
 //   8 (b % col_blocks) .. + 7 and chunks split_chunk[s] .. split_chunk[s + 1] with s = b / col_blocks.
 //   quant_matmul.PARAMS_DTYPE mirrors the struct (a host test compares their offsets).
 //
-// MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16)
-//   grid (sum of the parts' blocks), block 256 = 8 warps, dynamic shared memory: M * xs_stride halves of x, the
-//   split's chunk_meta entries, then its corrections (float2 per chunk and x row). The launcher sizes the grid to
-//   one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
-//   (PREFETCH_BYTES) and all group records of its range: addresses from the parameters only, so DRAM is busy from
-//   the kernel's first instructions. Then all 256 threads gather x's rows of the split into shared memory in
-//   stored order (x' = x * 2^-i for FOLDED rows), its chunk_meta entries, and the corrections. Then warp w owns
-//   strip 8bx + w and walks its chunks in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so
-//   DRAM reads are in flight without holding registers): per chunk each lane decodes its 32 codes into 16 half2
-//   values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with A = 16 columns x 16 rows of them,
-//   B = 16 rows x 8 rows of x from shared memory, C = fp32 partial of the current group. At each group change the
-//   partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the
-//   accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the
-//   larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
-//   Dependent launch (common.cuh): the weight and record prefetches, the chunk_meta staging and the perm reads of
-//   the x gather's first round come before pdl_wait, so on sm_90+ they overlap the kernel before this one; x is
-//   read after it.
-//   One row of x (the dense M1 launch, matmul_part_m1): a small kernel before it, stage_x1, writes each part's x in
-//   stored order (x' as above) and the chunks' corrections once per launch, and the M1 warps read their B fragments
-//   and corrections from it (L2) with their weight batches: no x gather, no corrections pass and no block barrier
-//   after pdl_wait in the M1 kernel, whose shared memory holds only the split's chunk_meta entries (NOTES-matmul.md:
-//   the per-block prologue was ~35 % of the M1 warps' time). The MoE M1 kernel stages x per block as M8/M16 do.
+// MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
+//   stage_xs writes x once per launch as the matmul reads it: each part's R = 1, 8 or 16 rows (rows past M repeat
+//   row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's corrections per row (float2
+//   (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block 256 = 8 warps, dynamic
+//   shared memory: the split's chunk_meta entries. The launcher sizes the grid to one wave of resident blocks where
+//   it can. A warp first prefetches into L2 the start of its weight span (PREFETCH_BYTES) and all group records of
+//   its range, and the block stages its chunk_meta entries: all from the parameters, so this overlaps the kernel
+//   before (dependent launch, common.cuh). After pdl_wait, warp w walks the chunks of strip 8bx + w in batches (each
+//   batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are in flight without holding
+//   registers), loading with each chunk's words its B fragments of x and its corrections (L2): per chunk each lane
+//   decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with
+//   A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the current group. At each
+//   group change the partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and
+//   added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding
+//   of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   (NOTES-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
+//   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
+//   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
 //   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
 //   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
@@ -113,6 +109,9 @@ constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), RE
 #endif
 #ifndef QMM_GEMM_BATCH                     // chunks a GEMM warp loads per batch: 1 fits 2 blocks per SM (2: ~16 more
 #define QMM_GEMM_BATCH 1                   // registers, spills at 128)
+#endif
+#ifndef QMM_PIPELINE_M8                    // 1: the staged M8 kernels pipeline their batches as M1 does
+#define QMM_PIPELINE_M8 0                  // (benchmarks/tune_matmul.py times both; GPTQ spills with it)
 #endif
 constexpr int GEMM_STAGES = QMM_GEMM_STAGES;   // x chunks in flight in a GEMM block's ring (quant_matmul.GEMM_STAGES)
 constexpr int GEMM_XS = 48;              // halves per x row of a ring slot: 32 + 16 pad (quant_matmul.GEMM_XS)
@@ -549,30 +548,34 @@ __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta,
 template <bool C, class A, class B> struct Pick { using T = A; };
 template <class A, class B> struct Pick<false, A, B> { using T = B; };
 
-// One row of x as stage_x1 left it, read per chunk with the weights (GX sinks): the lane's B fragments of the two
-// k16 steps and the chunk's correction.
+// x as stage_xs left it, read per chunk with the weights (GX sinks): the lane's B fragments of the two k16 steps
+// for each x-row tile, and the chunk's corrections of its x rows (one row: row 0's (x, y); else rows 2q, 2q + 1 of
+// each tile as (x, y, z, w)).
+template <int N8, bool M1>
 struct XChunk {
-    uint2 b[2];
-    float2 corr;
+    uint2 b[N8][2];
+    typename Pick<M1, float2, float4>::T corr[N8];
 };
 
 // Accumulates y^T for the warp's 32 columns: acc[t][n] is the C fragment of column tile t (columns 16t..16t+15
 // of the strip) and x-row tile n (rows 8n..8n+7). M1: only x row 0, i.e. fragment entries 0 and 2.
-// GX (one row of x, the dense M1 launch): x and the corrections come from global memory (stage_x1's output) in the
-// batches, not from the block's shared memory.
+// GX (the dense launches): x and the corrections come from global memory (stage_xs's output) in the batches, not
+// from the block's shared memory (MoE stages them per block).
 template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
-    static constexpr bool PIPELINE = M1;
+    static constexpr bool PIPELINE = M1 || (GX && N8 == 1 && QMM_PIPELINE_M8);
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
-    using Extra = typename Pick<GX, XChunk, NoExtra::Extra>::T;
+    static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
+    using Extra = typename Pick<GX, XChunk<N8, M1>, NoExtra::Extra>::T;
     // B fragments come from x row min(g, M-1) (+ tile1 for row min(8+g, M-1)), columns 4q.. of the current chunk.
     // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
     const half* xc;
     int tile1;
     const float2* corr;      // the split's corrections [chunk - c0][M] (FOLDED widths)
     int c0, M;
-    const half* xg;          // GX: the part's x in stored order [K]
-    const float2* cg;        // GX: its corrections per chunk
+    const half* xg;          // GX: the part's x in stored order [ROWS][K], at row g (M1: row 0)
+    size_t tile_step;        // GX: halves from row g to row 8 + g
+    const float2* cg;        // GX: its corrections [chunk][ROWS], at row 2q (M1: row 0)
     int group = -1;
     typename Fmt::State st;
     float sf[4] = {};        // scales of the current group's columns col(0..3), fp32
@@ -607,13 +610,20 @@ struct MatmulSink {
     __device__ void extras(int c, Extra (&ex)[U]) const
     {
         if constexpr (GX) {
-            const uint2* xb = reinterpret_cast<const uint2*>(xg + 32 * (ptrdiff_t)c) + threadIdx.x % 4;
-            const float2* cb = cg + c;
+            const float2* cb = cg + (ptrdiff_t)c * ROWS;
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                ex[u].b[0] = __ldg(xb + 8 * u);               // rows 4q .. 4q + 3 of chunk c + u
-                ex[u].b[1] = __ldg(xb + 8 * u + 4);           // rows 16 + 4q ..
-                ex[u].corr = folded<B>() ? __ldg(cb + u) : make_float2(0.f, 0.f);
+            for (int n = 0; n < N8; ++n) {
+                const uint2* xb = reinterpret_cast<const uint2*>(xg + n * tile_step + 32 * (ptrdiff_t)c) + threadIdx.x % 4;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    ex[u].b[n][0] = __ldg(xb + 8 * u);        // rows 4q .. 4q + 3 of chunk c + u
+                    ex[u].b[n][1] = __ldg(xb + 8 * u + 4);    // rows 16 + 4q ..
+                    if constexpr (M1)
+                        ex[u].corr[n] = folded<B>() ? __ldg(cb + u) : make_float2(0.f, 0.f);
+                    else                                      // rows 8n + 2q, + 1: 16-byte aligned
+                        ex[u].corr[n] = folded<B>() ? __ldg(reinterpret_cast<const float4*>(cb + u * ROWS + 8 * n))
+                                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
             }
         }
     }
@@ -633,8 +643,15 @@ struct MatmulSink {
         half2 a[16];
         if constexpr (folded<B>() && GX) {
             decode_raw<B>(w, a);
-            s1[0][0] += ex.corr.x;
-            s0[0][0] += ex.corr.y;
+#pragma unroll
+            for (int n = 0; n < N8; ++n) {
+                s1[n][0] += ex.corr[n].x;
+                s0[n][0] += ex.corr[n].y;
+                if constexpr (!M1) {
+                    s1[n][1] += ex.corr[n].z;
+                    s0[n][1] += ex.corr[n].w;
+                }
+            }
         } else if constexpr (folded<B>()) {
             decode_raw<B>(w, a);
             const float2* cc = corr + (c - c0) * M;
@@ -656,7 +673,7 @@ struct MatmulSink {
 #pragma unroll
             for (int n = 0; n < N8; ++n) {
                 uint2 v;
-                if constexpr (GX) v = ex.b[s];
+                if constexpr (GX) v = ex.b[n][s];
                 else v = *reinterpret_cast<const uint2*>(xc + n * tile1 + 16 * s);
                 b[n][0] = v.x;                         // rows 16s + 4q, +1  (MMA k = 2q, 2q+1)
                 b[n][1] = v.y;                         // rows 16s + 4q + 2, +3  (MMA k = 2q+8, 2q+9)
@@ -877,12 +894,12 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, ws_rows, counters);
 }
 
-// Block `local` of part pt, one row of x that stage_x1 staged (xg: the part's x in stored order, cg: its
-// corrections): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once and reads x
-// with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait).
-template <class Fmt>
-__device__ __forceinline__ void matmul_part_m1(const Params& p, const Part& pt, int local, const half* xg,
-                                               const float2* cg, half* y, float* ws, int* counters)
+// Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
+// corrections [K / 32][ROWS]): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once
+// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait).
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
+                                                   const float2* cg, half* y, float* ws, int* counters)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
@@ -896,56 +913,57 @@ __device__ __forceinline__ void matmul_part_m1(const Params& p, const Part& pt, 
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
     if (strip >= pt.strips) return;
-    pdl_wait();                                        // x (stage_x1's), ws and the counters
-    MatmulSink<Fmt, 1, true, true> sink;
-    sink.xg = xg;
-    sink.cg = cg;
+    pdl_wait();                                        // x (stage_xs's), ws and the counters
+    using Sink = MatmulSink<Fmt, N8, M1, true>;
+    Sink sink;
+    const int g = lane / 4, q = lane % 4;
+    sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
+    sink.tile_step = 8 * (size_t)p.K;
+    sink.cg = cg + (M1 ? 0 : 2 * q);
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
-    finish<1, true>(sink.acc, pt, split, strip, 1, y, ws, 1, counters);
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
 }
 
-// The launch of p: block blockIdx.x of the parts laid out in block order. M1: x is stage_x1's output (the parts'
-// rows of x in stored order [n_parts][K], then their corrections [n_parts][K / 32] as float2).
+// The launch of p: block blockIdx.x of the parts laid out in block order. xs is stage_xs's output for R = 1 (M1),
+// 8 or 16 (N8 = 1, 2) staged rows: the parts' x in stored order [n_parts][R][K], then their corrections
+// [n_parts][K / 32][R] as float2.
 template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul(const Params& p, const half* x, half* y0, half* y1, half* y2, float* ws)
+__device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws)
 {
+    constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, blockIdx.x);
     const Part& pt = p.part[pi];
     half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
-    if constexpr (M1) {
-        const float2* corr = reinterpret_cast<const float2*>(x + (size_t)p.n_parts * p.K) + (size_t)pi * (p.K / 32);
-        matmul_part_m1<Fmt>(p, pt, blockIdx.x - pt.block0, x + (size_t)pi * p.K, corr, y, ws ? ws + pt.ws_offset : ws,
-                            pt.counters);
-    } else {
-        matmul_part<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, x, y, ws ? ws + pt.ws_offset : ws, p.M,
-                                 pt.counters);
-    }
+    const float2* corr = reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
+    matmul_part_staged<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
+                                    ws ? ws + pt.ws_offset : ws, pt.counters);
 }
 
-// One row of x for the M1 launch of p: chunk c = blockIdx.x * WARPS + warp of part blockIdx.y, by one warp, lane r
-// taking stored row 32c + r: xs[part][k'] = x[perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the
-// chunk's correction (as stage_corrections for one row: the same sums in the same order).
-__device__ __forceinline__ void stage_x1(const Params& p, const half* x, half* xs)
+// x [M, K] for the small-M launch of p, R = gridDim.z staged rows (1, 8 or 16; row m >= M repeats row M - 1):
+// chunk c = blockIdx.x * WARPS + warp of part blockIdx.y and row m = blockIdx.z, by one warp, lane r taking stored
+// row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
+// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order).
+__device__ __forceinline__ void stage_xs(const Params& p, const half* x, half* xs)
 {
     const int part = blockIdx.y, c = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int chunks = p.K / 32;
+    const int m = blockIdx.z, R = gridDim.z, chunks = p.K / 32;
     if (part >= p.n_parts || c >= chunks) return;
     const Part& pt = p.part[part];
     const int k = 32 * c + lane, b = width_at(pt, c);
     const int src = pt.perm ? __ldg(pt.perm + k) : k;
     pdl_wait();                                        // x comes from the kernel before
-    const half v = __float2half_rn(__half2float(x[src]) * row_scale(b, lane));
-    xs[(size_t)part * p.K + k] = v;
+    const half v = __float2half_rn(__half2float(x[(size_t)min(m, p.M - 1) * p.K + src]) * row_scale(b, lane));
+    xs[((size_t)part * R + m) * p.K + k] = v;
     float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
     if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
     for (int span = 16; span >= 1; span /= 2) {
         lo += __shfl_xor_sync(FULL_MASK, lo, span);
         hi += __shfl_xor_sync(FULL_MASK, hi, span);
     }
-    float2* corr = reinterpret_cast<float2*>(xs + (size_t)p.n_parts * p.K);
+    float2* corr = reinterpret_cast<float2*>(xs + (size_t)p.n_parts * R * p.K);
     if (lane == 0)
-        corr[(size_t)part * chunks + c] = (b == 4 || b == 6 || b == 8)
+        corr[((size_t)part * chunks + c) * R + m] = (b == 4 || b == 6 || b == 8)
                                               ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2))
                                               : make_float2(0.f, 0.f);
 }
@@ -1363,12 +1381,13 @@ gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, ha
 }
 
 // grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
-// grid (ceil(K / 32 / 8), parts), block 256: one row of x staged for the M1 kernels (qmm::stage_x1).
+// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x staged for the small-M kernels
+// (qmm::stage_xs).
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
-stage_x1(const __grid_constant__ qmm::Params p, const half* x, half* xs)
+stage_xs(const __grid_constant__ qmm::Params p, const half* x, half* xs)
 {
     exl::pdl_trigger();
-    qmm::stage_x1(p, x, xs);
+    qmm::stage_xs(p, x, xs);
 }
 
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)

@@ -416,15 +416,18 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
     return block0, ws, starts_all
 
 
+def rows_class(rows: int) -> int:
+    """The small-M kernel for `rows` rows of x (1, 8 or 16), i.e. the rows stage_xs stages for it."""
+    return 1 if rows == 1 else 8 if rows <= 8 else 16
+
+
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
                n_sm: int) -> Plan:
-    """The small-M launch for `rows` rows of x. One row: x comes staged by stage_x1, so a block's shared memory
-    holds only its split's chunk_meta entries (quant_matmul.cu matmul_part_m1)."""
-    rows_class = 1 if rows == 1 else 8 if rows <= 8 else 16
-    splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[rows_class] * n_sm, rows)
-    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class], layouts, biases, counters, splits, rows)
-    if rows > 1:
-        return plan
+    """The small-M launch for `rows` rows of x, which stage_xs stages: a block's shared memory holds only its
+    split's chunk_meta entries (quant_matmul.cu matmul_part_staged)."""
+    cls = rows_class(rows)
+    splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[cls] * n_sm, 0)
+    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, cls], layouts, biases, counters, splits, rows)
     p = plan.params.copy()
     p["xs_stride"] = p["meta_smem"] = p["corr_smem"] = 0
     chunks = max(int(np.diff(p["part"]["split_chunk"][i, :n + 1]).max()) for i, n in enumerate(splits))
@@ -487,7 +490,7 @@ class QuantMatmul:
         self.gemm_plans = {shape: plan_gemm(layouts, self.biases, shape, n_sm) for shape in shapes}
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
-        self.x1: Tensor | None = None           # one row of x staged for the M1 kernels (_stage_x1), kept likewise
+        self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
 
     def __call__(self, x: Tensor) -> Tensor:
         """The forward of a single weight."""
@@ -518,21 +521,22 @@ class QuantMatmul:
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
             xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
-            if rows == 1:
-                xs = self._stage_x1(xs)
             launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
-                   args=(self.args[rows], xs, *outs, *nulls, self._ws(plan, rows, x.device)), shared_mem=plan.smem)
+                   args=(self.args[rows], self._stage(xs, rows), *outs, *nulls, self._ws(plan, rows, x.device)),
+                   shared_mem=plan.smem)
         return ys
 
-    def _stage_x1(self, x: Tensor) -> Tensor:
-        """One row of x as the M1 kernels read it (quant_matmul.cu stage_x1): each part's x in stored order, then
-        the parts' corrections, in a buffer kept from call to call."""
-        k, parts = self.k, len(self.layouts)
-        if self.x1 is None:
-            self.x1 = torch.empty(parts * k + parts * (k // CHUNK) * 4, dtype=torch.float16, device=x.device)
-        launch("quant_matmul", "stage_x1", grid=(-(-k // CHUNK // WARPS), parts), block=(THREADS,),
-               args=(self.args[1], x, self.x1))
-        return self.x1
+    def _stage(self, x: Tensor, rows: int) -> Tensor:
+        """`rows` rows of x as the small-M kernels read them (quant_matmul.cu stage_xs): each part's rows_class(rows)
+        rows in stored order, then their corrections, in a buffer kept from call to call (one per rows class)."""
+        k, parts, cls = self.k, len(self.layouts), rows_class(rows)
+        buf = self.staged.get(cls)
+        if buf is None:
+            buf = self.staged[cls] = torch.empty(parts * cls * (k + (k // CHUNK) * 4), dtype=torch.float16,
+                                                 device=x.device)
+        launch("quant_matmul", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
+               args=(self.args[rows], x, buf))
+        return buf
 
     def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:
         if plan.ws_floats == 0:

@@ -156,12 +156,12 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
     p = plan.params
     assert int(p["n_parts"]) == 2 and int(p["M"]) == rows and int(p["K"]) == 4096
     assert plan.smem <= qm.X_SMEM_BYTES
-    if rows == 1:     # x comes staged (stage_x1): shared memory holds the longest split's chunk_meta entries only
-        longest = max(int(np.diff(p["part"]["split_chunk"][i, :int(p["part"]["n_splits"][i]) + 1]).max())
-                      for i in range(2))
-        assert plan.smem == 8 * longest and int(p["meta_smem"]) == 0
+    # x comes staged (stage_xs): shared memory holds the longest split's chunk_meta entries only
+    longest = max(int(np.diff(p["part"]["split_chunk"][i, :int(p["part"]["n_splits"][i]) + 1]).max())
+                  for i in range(2))
+    assert plan.smem == 8 * longest and int(p["meta_smem"]) == 0
     assert plan.kernel == qm.MATMUL_KERNELS[qm.Format.EXL2, 1 if rows == 1 else 8 if rows <= 8 else 16]
-    assert plan.blocks <= qm.RESIDENT_BLOCKS[1 if rows == 1 else 8 if rows <= 8 else 16] * 132   # one wave
+    assert plan.blocks <= qm.RESIDENT_BLOCKS[qm.rows_class(rows)] * 132   # one wave
     block0, ws = 0, 0
     for i, lay in enumerate(lays):
         part = p["part"][i]
