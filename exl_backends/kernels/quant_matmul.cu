@@ -110,9 +110,6 @@ constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), RE
 #ifndef QMM_GEMM_BATCH                     // chunks a GEMM warp loads per batch: 1 fits 2 blocks per SM (2: ~16 more
 #define QMM_GEMM_BATCH 1                   // registers, spills at 128)
 #endif
-#ifndef QMM_PIPELINE_M8                    // 1: the staged M8 kernels pipeline their batches as M1 does
-#define QMM_PIPELINE_M8 0                  // (benchmarks/tune_matmul.py times both; GPTQ spills with it)
-#endif
 constexpr int GEMM_STAGES = QMM_GEMM_STAGES;   // x chunks in flight in a GEMM block's ring (quant_matmul.GEMM_STAGES)
 constexpr int GEMM_XS = 48;              // halves per x row of a ring slot: 32 + 16 pad (quant_matmul.GEMM_XS)
 constexpr int GEMM_WARP_TILES = 4;       // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS = 64)
@@ -563,7 +560,7 @@ struct XChunk {
 // from the block's shared memory (MoE stages them per block).
 template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
-    static constexpr bool PIPELINE = M1 || (GX && N8 == 1 && QMM_PIPELINE_M8);
+    static constexpr bool PIPELINE = M1;       // (M8 too: EXL2 2-3 % faster, GPTQ spills: NOTES-matmul.md v14)
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
     static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
     using Extra = typename Pick<GX, XChunk<N8, M1>, NoExtra::Extra>::T;
