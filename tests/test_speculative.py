@@ -95,6 +95,7 @@ def test_speculative_greedy_is_identical(models, drafting):
     kw = {"ngram": dict(ngram_draft=True), "draft-model": dict(draft_model=draft),
           "self-draft": dict(draft_model=target)}[drafting]
     gen = Generator(target, page_size=PAGE, cache_tokens=20 * 64, **kw)
+    assert gen.scheduler.n_draft == (7 if drafting == "ngram" else 4)     # the default per way of drafting
     n_forwards = 0
     forward = gen._forward
 
