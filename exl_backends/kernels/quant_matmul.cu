@@ -806,37 +806,39 @@ __device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, 
     }
 }
 
-// The warp's accumulators of its strip (acc[t][n][i]: column strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2):
-// y (+ bias) without splits, else the split's partials, and the strip's last warp to arrive reduces them.
-template <int N8, bool M1>
-__device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
-                                       half* y, float* ws, int ws_rows, int* counters)
+// Calls f(value, m, col) for each of the warp's accumulators of its strip with x row m < M (acc[t][n][i]: column
+// strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2; M1: entries 0 and 2 only).
+template <int N8, bool M1, class F>
+__device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int strip, int M, F f)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const int N = pt.n, Np = pt.np;
-    if (pt.n_splits == 1) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int n = 0; n < N8; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
-                    if ((!M1 || i % 2 == 0) && m < M && col < N)
-                        y[(size_t)m * N + col] = __float2half_rn(acc[t][n][i] + bias_at(pt.bias, col));
-                }
-        return;
-    }
-    float* part = ws + (size_t)split * ws_rows * Np;
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int n = 0; n < N8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int m = 8 * n + 2 * q + i % 2, col = strip * 32 + 16 * t + g + 8 * (i / 2);
-                if ((!M1 || i % 2 == 0) && m < M) part[(size_t)m * Np + col] = acc[t][n][i];
+                const int m = 8 * n + 2 * q + i % 2;
+                if ((!M1 || i % 2 == 0) && m < M) f(acc[t][n][i], m, strip * 32 + 16 * t + g + 8 * (i / 2));
             }
+}
+
+// The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
+// warp to arrive reduces them.
+template <int N8, bool M1>
+__device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
+                                       half* y, float* ws, int ws_rows, int* counters)
+{
+    const int lane = threadIdx.x % 32;
+    const int N = pt.n, Np = pt.np;
+    if (pt.n_splits == 1) {
+        for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) {
+            if (col < N) y[(size_t)m * N + col] = __float2half_rn(v + bias_at(pt.bias, col));
+        });
+        return;
+    }
+    float* part = ws + (size_t)split * ws_rows * Np;
+    for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) { part[(size_t)m * Np + col] = v; });
     __threadfence();                             // partials visible device-wide before this warp is counted
     __syncwarp();
     int done = 0;

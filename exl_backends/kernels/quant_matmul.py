@@ -41,13 +41,12 @@ MAX_SPLITS = 64                 # K splits of one part (quant_matmul.cu MAX_SPLI
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
 # From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
 # A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
-# every count that would need a second pass: 17..32 rows cost two passes (~2 x 35 us at 4096 x 14336, 4.0 bpw)
-# against a GEMM roofline of the weight read (~7 us). (Before the GEMM, LARGE_M was 32 and the rows from there went
-# to dequant + cuBLAS, 82 us for any M up to 64: NOTES-matmul.md.) Measured at 4096 x 14336: 24 rows 41 us (two
-# passes 63), 32 rows 42 (76); at 16 rows the GEMM was faster on 3 of 4 shapes too (4096 x 4096 20 vs 28 us, but
-# 4096 x 14336 40 vs 38), and in whole steps 16 jobs of the 8B shape decode at 2,465 tok/s against 2,301 with
-# LARGE_M = 17 (H200, bench_generation.py, same call).
-LARGE_M = 16
+# every count that would need a second pass: 17..32 rows cost two passes against a GEMM roofline of the weight read.
+# At 16 rows (one pass) the small-M kernel, since it reads x staged (NOTES-matmul.md v14), beats the GEMM on 3 of 4
+# shapes (H200, tune_matmul.py, 4.0 bpw, us small / GEMM: 4096 x 14336 29.5 / 39.4, 14336 x 4096 32.6 / 44.0,
+# 8192 x 28672 74.3 / 130.6, 4096 x 4096 23.3 / 19.4), and 16 jobs of the 8B shape decode at 2,932 tok/s against
+# 2,468 (bench_generation.py).
+LARGE_M = 17
 # Up to this many rows the tiled GEMM; above, dequantize + cuBLAS. Measured (H200, bench_matmul.py --gemm, 4.0 bpw,
 # us GEMM / dequant + cuBLAS): 64 rows 49 / 85 at 4096 x 14336, 55 / 87 at 14336 x 4096, 24 / 25 at 4096 x 4096;
 # 128 rows 90 / 86, 88 / 89, 33 / 30; 208 rows 157 / 90 (the GEMM runs mma.sync at ~150-190 TFLOP/s): the
@@ -68,9 +67,12 @@ GEMM_MIN_CHUNKS = 8             # chunks per split at least: fewer would not fil
 RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
-# splits * rows of x: bounds the partial sums the last warp of a strip adds up (64 measured 5-25 % slower at 16 rows
-# on the 8B shapes' small matrices: too few blocks)
-MAX_SPLIT_ROWS = 128
+# splits * rows of x: bounds the partial sums the last warp of a strip adds up. With x staged, 128 left 12-16 rows
+# too few blocks: 14336 x 4096 at 12 rows 39.0 us against 29.7 at 256, 4096 x 4096 24.1 against 19.5; 512 no
+# faster (H200, tune_matmul.py --set). Kernels that gather x per block (MoE) keep 128: when every kernel did, 64
+# measured 5-25 % slower at 16 rows on the 8B shapes' small matrices.
+MAX_SPLIT_ROWS = 256
+GATHER_SPLIT_ROWS = 128
 X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more would need an opt-in per kernel
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
 # The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): DRAM streams
@@ -328,8 +330,10 @@ def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[
 
 def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: int) -> list[int]:
     """Splits of K per part: the fastest plan by _launch_seconds, every part's splits within its limits (at least
-    MIN_CHUNKS_PER_SPLIT chunks, MAX_SPLIT_ROWS, MAX_SPLITS) and its x tile within X_SMEM_BYTES (smem_rows rows
-    of x; 0 for none). Ties go to the plan with fewer waves, then more blocks."""
+    MIN_CHUNKS_PER_SPLIT chunks, MAX_SPLITS, and splits * rows within MAX_SPLIT_ROWS, GATHER_SPLIT_ROWS where each
+    block gathers x) and its x tile within X_SMEM_BYTES (smem_rows rows of x gathered per block; 0 for none: x
+    staged once per launch). Ties go to the plan with fewer waves, then more blocks."""
+    split_rows = GATHER_SPLIT_ROWS if smem_rows else MAX_SPLIT_ROWS
     strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
     col_blocks = [-(-lay.strips // WARPS) for lay in layouts]
     lo, hi = [], []
@@ -339,7 +343,7 @@ def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: i
         while smem_rows and _tile_bytes(split_starts(lay.chunk_bits, n), smem_rows) > X_SMEM_BYTES:
             n += 1
         lo.append(n)
-        hi.append(max(n, min(chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLIT_ROWS // rows, MAX_SPLITS)))
+        hi.append(max(n, min(chunks // MIN_CHUNKS_PER_SPLIT, split_rows // rows, MAX_SPLITS)))
     best = None
     for b, h in zip(strip_bytes, hi):
         for s in range(1, h + 1):              # candidate bytes per warp: b / s

@@ -510,15 +510,15 @@ GEMM_ROWS = [16, 17, 33, 47, 64, 100, 129, 208, 256, 300]
 
 
 def check_gemm(weights: list, m: int, biases: list, seed: int = 0, splits: str = "any") -> list[torch.Tensor]:
-    """The GEMM (for m <= GEMM_MAX_M asserted to be the path forward takes; above, called directly: it is planned
-    up to GEMM_ROWS_LIMIT rows) of one or more fused weights against the reference, twice on poisoned memory;
+    """The GEMM (for LARGE_M <= m <= GEMM_MAX_M asserted to be the path forward takes; otherwise called directly: it
+    is planned from LARGE_M - 1 rows (a shape LARGE_M shares) up to GEMM_ROWS_LIMIT) of one or more fused weights against the reference, twice on poisoned memory;
     returns the outputs. splits: "one" / "several" asserts the plan's K split."""
     gen = torch.Generator().manual_seed(seed)
     k = weights[0].in_features
     x = torch.randn(m, k, generator=gen).half()
     fs = [qm.prepare(w.to(torch.device("cuda")), None if b is None else b.cuda()) for w, b in zip(weights, biases)]
     f = fs[0] if len(fs) == 1 else qm.fuse(fs)
-    assert (f._path(m) == f._gemm) == (m <= qm.GEMM_MAX_M)
+    assert (f._path(m) == f._gemm) == (qm.LARGE_M <= m <= qm.GEMM_MAX_M)
     plan = f.gemm_plans[qm.gemm_shape(m)]
     n_splits = [int(part["n_splits"]) for part in plan.params["part"][:len(weights)]]
     assert splits == "any" or (max(n_splits) == 1) == (splits == "one"), n_splits
