@@ -610,7 +610,8 @@ struct MatmulSink {
             const float2* cb = cg + (ptrdiff_t)c * ROWS;
 #pragma unroll
             for (int n = 0; n < N8; ++n) {
-                const uint2* xb = reinterpret_cast<const uint2*>(xg + n * tile_step + 32 * (ptrdiff_t)c) + threadIdx.x % 4;
+                const uint2* xb =
+                    reinterpret_cast<const uint2*>(xg + n * tile_step + 32 * (ptrdiff_t)c) + threadIdx.x % 4;
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     ex[u].b[n][0] = __ldg(xb + 8 * u);        // rows 4q .. 4q + 3 of chunk c + u
@@ -913,8 +914,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
     if (strip >= pt.strips) return;
     pdl_wait();                                        // x (stage_xs's), ws and the counters
-    using Sink = MatmulSink<Fmt, N8, M1, true>;
-    Sink sink;
+    MatmulSink<Fmt, N8, M1, true> sink;
     const int g = lane / 4, q = lane % 4;
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
     sink.tile_step = 8 * (size_t)p.K;
@@ -934,7 +934,8 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
     const int pi = part_of(p, blockIdx.x);
     const Part& pt = p.part[pi];
     half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
-    const float2* corr = reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
+    const float2* corr =
+        reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
     matmul_part_staged<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
                                     ws ? ws + pt.ws_offset : ws, pt.counters);
 }
