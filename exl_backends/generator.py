@@ -42,8 +42,8 @@ from .job import Chunk, Completion, Job
 from .model import Model
 from .pages import PageManager
 from .runner import Runner
-from .sampling import (NEG_INF, SampleResult, SamplerState, SamplingParams, draw, draw_rows, greedy, probs, sample,
-                       sample_rows)
+from .sampling import (NEG_INF, SampleResult, SamplerState, SamplingParams, broken_row_error, draw, draw_rows, greedy,
+                       probs, sample, sample_rows)
 from .scheduler import Scheduler
 from .speculative import DraftModel, NgramIndex, verify
 
@@ -323,7 +323,7 @@ class Generator:
 
     def _take_tokens(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range],
                      logits: Tensor | None, drafts: dict, top: list[int] | None = None,
-                     drawn: dict[Job, int | None] | None = None) -> None:
+                     drawn: dict[Job, int | SamplingError | None] | None = None) -> None:
         """Commits each job's tokens from its logits rows (for a launched step from its tokens alone: `top` and
         the `drawn` ones of its sampling jobs), then retires finished jobs and queues text. Jobs that finished since
         the step was launched are skipped."""
@@ -368,13 +368,15 @@ class Generator:
         return {job: token for (job, _), token in zip(picked, tokens)}
 
     def _decide(self, job: Job, logits: Tensor, rows: range, top: list[int] | None, drafted: list[int],
-                qs: list[Tensor] | None, drawn: int | None = None) -> None:
+                qs: list[Tensor] | None, drawn: int | SamplingError | None = None) -> None:
         """Commits the job's next tokens from its rows of logits [R, V] (1 + len(drafted) of them): its i-th row
         gives the token after drafted[:i]; drafted tokens are kept while the chosen token equals them. drawn: the
-        token already drawn for its one row (_plain_samples, Launched)."""
+        token already drawn for its one row (_plain_samples, Launched), or why none was."""
         try:
             for i, row in enumerate(rows):
                 draft = drafted[i] if i < len(drafted) else None
+                if isinstance(drawn, SamplingError):
+                    raise drawn
                 if drawn is not None:
                     token, logprob = drawn, None
                 else:
@@ -502,8 +504,8 @@ class Launched:
     logits rows, and its tokens (int64 [R] on the device: each greedy job's argmax, its stop tokens masked while
     min_new_tokens bans them, and each sampling job's draw, whose uniform is taken now), copied to pinned host memory
     without waiting, so that reading them waits for this step's kernels only, not for the ones queued after them.
-    The logits themselves (a graph's output, which the next step overwrites) are copied only when a job may need
-    more than its token: logprobs, or a sampled row that turns out broken (sample then names the problem).
+    The logits themselves (a graph's output, which the next step overwrites) are copied only for a job that needs
+    more than its token: logprobs. A sampled row that gives no token gives its error instead (draw_rows' code).
     `ahead`: how many tokens past each job's last committed one the step's tokens go."""
 
     def __init__(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range], logits: Tensor,
@@ -518,12 +520,11 @@ class Launched:
         broken = torch.zeros_like(self.top)
         if sampled:
             index = torch.tensor(sampled).to(logits.device, non_blocking=True)
-            tokens, bad = draw_rows(logits.index_select(0, index), [plan[i][0].state for i in sampled])
+            tokens, codes = draw_rows(logits.index_select(0, index), [plan[i][0].state for i in sampled])
             self.top.index_copy_(0, index, tokens)
-            broken.index_copy_(0, index, bad.long())
+            broken.index_copy_(0, index, codes)
         self.sampled = [(plan[i][0], i) for i in sampled]
-        needed = sampled or any(job.n_logprobs for job, _ in plan)
-        self.logits = logits.clone() if needed else None
+        self.logits = logits.clone() if any(job.n_logprobs for job, _ in plan) else None
         self.host = torch.stack((self.top, broken))
         self.done = None
         if logits.is_cuda:
@@ -532,12 +533,12 @@ class Launched:
             self.done = torch.cuda.Event()
             self.done.record()
 
-    def tokens(self) -> tuple[list[int], dict[Job, int | None]]:
-        """(every row's token, the sampled jobs' tokens: None where the row's logits were broken)."""
+    def tokens(self) -> tuple[list[int], dict[Job, int | SamplingError]]:
+        """(every row's token, the sampled jobs' tokens, or the error of a row that gave none)."""
         if self.done is not None:
             self.done.synchronize()
         top, broken = self.host.tolist()
-        return top, {job: None if broken[i] else top[i] for job, i in self.sampled}
+        return top, {job: broken_row_error(broken[i]) if broken[i] else top[i] for job, i in self.sampled}
 
 
 def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:

@@ -451,10 +451,8 @@ def probs(logits: Tensor, state: SamplerState, mask: Tensor | None = None) -> Te
     x = filtered_logits(logits, state, mask)
     top = x.argmax()
     if not torch.isfinite(x[top]):
-        if torch.isnan(logits).any() or torch.isposinf(logits).any():
-            raise SamplingError("the model's logits contain NaN or +inf, so no token can be drawn: its activations "
-                                "left fp16's range, or its weights are corrupt")
-        raise SamplingError("no token is allowed: the mask, banned_token_ids and penalties removed every token")
+        raise broken_row_error(BROKEN_LOGITS if torch.isnan(logits).any() or torch.isposinf(logits).any()
+                               else NOTHING_ALLOWED)
     if p.is_greedy:
         return torch.zeros_like(x).index_fill(0, top, 1.0)
     if p.dynatemp_range > 0:
@@ -489,19 +487,32 @@ def draw(dist: Tensor, rng: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, cdf[-1:] * u, right=True).clamp(max=last))
 
 
+BROKEN_LOGITS, NOTHING_ALLOWED = 1, 2        # why a row of logits gives no token (draw_rows' codes)
+
+
+def broken_row_error(code: int) -> SamplingError:
+    """The error of a row that gives no token, by draw_rows' code."""
+    if code == BROKEN_LOGITS:
+        return SamplingError("the model's logits contain NaN or +inf, so no token can be drawn: its activations left "
+                             "fp16's range, or its weights are corrupt")
+    return SamplingError("no token is allowed: the mask, banned_token_ids and penalties removed every token")
+
+
 def sample_rows(logits: Tensor, states: list[SamplerState]) -> list[int | None]:
     """One token per row of logits [R, V] for jobs with params.is_plain_sampling, no mask and no logprobs: what
     `sample` draws for each row alone (the same steps row by row, one uniform from each job's generator), in one
     pass over the rows and one host read. None for a row whose logits have no finite maximum (NaN, +inf or all
     -inf): `sample` on that row alone raises the error that names it."""
-    tokens, bad = draw_rows(logits, states)
-    values, broken = torch.stack((tokens, bad.long())).tolist()
-    return [None if b else t for t, b in zip(values, broken)]
+    tokens, broken = draw_rows(logits, states)
+    values, codes = torch.stack((tokens, broken)).tolist()
+    return [None if b else t for t, b in zip(values, codes)]
 
 
 def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tensor]:
-    """sample_rows without the host read: (tokens int64 [R], broken bool [R]) on the logits' device. Each job's
-    uniform is drawn now, so a step may be queued on these tokens before they are read (generator.Launched)."""
+    """sample_rows without the host read: (tokens int64 [R], broken int64 [R]) on the logits' device, broken 0 for
+    a row that gave its token, else why not (BROKEN_LOGITS: NaN or +inf; NOTHING_ALLOWED: every logit -inf, as
+    `probs` tells them apart). Each job's uniform is drawn now, so a step may be queued on these tokens before they
+    are read (generator.Launched)."""
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise SamplingError(f"sample_rows and draw_rows take logits [{len(states)}, V] for {len(states)} states, got "
                             f"{tuple(logits.shape)}")
@@ -509,7 +520,8 @@ def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tenso
     if not all(p.is_plain_sampling for p in ps):
         raise SamplingError("sample_rows serves plain sampling only (temperature > 0 with top_k, top_p, min_p)")
     x = logits.float()
-    bad = ~torch.isfinite(x.max(-1).values)
+    top = x.max(-1).values                  # NaN if any is NaN
+    broken = (~torch.isfinite(top)).long() * torch.where(top == -math.inf, NOTHING_ALLOWED, BROKEN_LOGITS)
 
     def column(values) -> Tensor:
         return torch.tensor(values, dtype=torch.float32).to(x.device, non_blocking=True)[:, None]
@@ -531,7 +543,7 @@ def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tenso
     u = torch.tensor([torch.rand((), generator=s.rng, dtype=torch.float64).item() for s in states],
                      dtype=torch.float64).to(x.device, non_blocking=True)[:, None]
     last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)
-    return torch.minimum(torch.searchsorted(cdf, cdf[:, -1:] * u, right=True), last)[:, 0], bad
+    return torch.minimum(torch.searchsorted(cdf, cdf[:, -1:] * u, right=True), last)[:, 0], broken
 
 
 def sample(logits: Tensor, state: SamplerState, mask: Tensor | None = None, n_logprobs: int = 0) -> SampleResult:

@@ -3,6 +3,7 @@ cancellation, queueing for pages, context limits, stop tokens, banned strings, l
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import threading
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from exl_backends import ExlForCausalLM
-from exl_backends.errors import ContextLengthError
+from exl_backends.errors import ContextLengthError, SamplingError
 from exl_backends.generator import Generator, template_stop_ids
 from exl_backends.sampling import SamplingParams
 
@@ -269,6 +270,38 @@ def test_steps_launched_ahead_for_sampling_and_banned_stops(tiny, monkeypatch):
     assert any(step.sampled for step in launched)
     monkeypatch.setattr(Generator, "_can_look_ahead", lambda self, jobs, ahead: False)
     assert run(greedy_job) + run(sampling_jobs) == ahead
+
+
+def test_broken_logits_in_a_launched_step_end_that_job_only(tiny, monkeypatch):
+    """A plain-sampling job whose row of a launched step's logits turns NaN (or all -inf) ends with the error that
+    names it, without the step's logits kept on the side; the other job of the step goes on as if alone."""
+    model, _ = tiny
+    prompts = random_prompts(2, seed=40)
+    spec = dict(max_new_tokens=10, stop_token_ids=[], sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=5))
+    gen = make(model)
+    healthy = gen.submit(prompts[0], **spec).result().token_ids
+    launched = []
+    launch = Generator._launch_next
+    monkeypatch.setattr(Generator, "_launch_next", lambda self, step: launched.append(step) or launch(self, step))
+    for value, message in ((math.nan, "NaN or \\+inf"), (-math.inf, "no token is allowed")):
+        gen = make(model)
+        forward, calls = gen._forward, [0]
+
+        def breaking(batch, forward=forward, value=value):
+            logits = forward(batch)
+            calls[0] += 1
+            if calls[0] == 4:       # a decode step of both jobs: the second job's row
+                logits = logits.clone()
+                logits[1] = value
+            return logits
+        gen._forward = breaking
+        jobs = [gen.submit(p, **spec) for p in prompts]
+        assert jobs[0].result().token_ids == healthy
+        with pytest.raises(SamplingError, match=message):
+            jobs[1].result()
+        assert any(step.host[1].any() for step in launched)            # a launched step's row broke
+        assert all(step.logits is None for step in launched)
+        launched.clear()
 
 
 def test_more_jobs_than_pages_wait_and_all_finish(tiny):
