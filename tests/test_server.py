@@ -225,7 +225,10 @@ def test_chat_logprobs_match_the_engine(client, gen):
     streamed = [e for c in client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=8,
                                                           temperature=0, logprobs=True, top_logprobs=3, stream=True)
                 if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # (to rounding: the streamed request reuses the first one's cached prompt pages, so its last prompt token's
+    # forward has other shapes than a whole prefill)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     # logprobs without alternatives
     r = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=3, temperature=0,
                                        logprobs=True)
