@@ -108,6 +108,7 @@ def _cmd_serve(args) -> None:
     from .server.serve import ServeOptions, serve
     serve(ServeOptions(Path(args.model), host=args.host, port=args.port, max_seq_len=args.max_seq_len,
                        cache_mode=args.cache_mode, draft_model=args.draft_model and Path(args.draft_model),
+                       ngram_draft=args.ngram_draft,
                        api_key=args.api_key, no_auth=args.no_auth, device=args.device,
                        max_batch_size=args.max_batch_size, cache_tokens=args.cache_tokens, max_queue=args.max_queue,
                        gpu_split=args.gpu_split, tensor_parallel=args.tensor_parallel))
@@ -298,8 +299,12 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--draft-model", default=None, help="a small model with the same vocabulary, for speculative "
-                                                       "decoding")
+    drafting = p.add_mutually_exclusive_group()
+    drafting.add_argument("--draft-model", default=None, help="a small model with the same vocabulary, for "
+                                                              "speculative decoding")
+    drafting.add_argument("--ngram-draft", action="store_true",
+                          help="speculative decoding without a draft model: drafts the tokens that followed the "
+                               "latest n-gram earlier in the prompt or output (for edits, code, quoting)")
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help="the key clients must send (default: the stored one)")
     keys.add_argument("--no-auth", action="store_true", help="no key needed (warns when not on loopback)")

@@ -478,9 +478,10 @@ def test_failure_inside_one_request_leaves_the_server_serving(gen, url, client, 
 # ---- exl serve ---------------------------------------------------------------------------------------------------
 
 def test_exl_serve_generates_a_key_and_serves(model_dir, tmp_path):
+    """exl serve (with n-gram drafting) at first start: a key made and kept, the banner, a completion."""
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "exl_backends.cli", "serve", "-m", str(model_dir), "--port", "0",
-                             "--max-seq-len", "128", "--device", "cpu"], stdout=subprocess.PIPE,
+                             "--max-seq-len", "128", "--device", "cpu", "--ngram-draft"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
 
@@ -499,11 +500,15 @@ def test_exl_serve_generates_a_key_and_serves(model_dir, tmp_path):
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         assert f'-H "Authorization: Bearer {key}"' in banner and "fp32 (not quantized)" in banner
         assert "128 tokens per request" in banner and "auth       on" in banner
+        assert "draft      n-gram lookup in each request's tokens, up to 7 tokens a step" in banner
         base = banner.split("url        ")[1].split("/v1")[0]
         assert base.startswith("http://127.0.0.1:")
         r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         assert r.status_code == 200 and r.json()["data"][0]["id"] == model_dir.name
         assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
+        r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                       json=dict(model=model_dir.name, prompt="a b c a b c a b", max_tokens=6, temperature=0))
+        assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 6
     finally:
         proc.terminate()
         try:
@@ -511,6 +516,13 @@ def test_exl_serve_generates_a_key_and_serves(model_dir, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_exl_serve_takes_one_way_of_drafting(capsys):
+    from exl_backends.cli import parser
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "-m", "m", "--draft-model", "d", "--ngram-draft"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 # ---- the default model -------------------------------------------------------------------------------------------

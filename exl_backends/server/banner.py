@@ -57,6 +57,14 @@ def auth_lines(key: ApiKey | None, url: str, host: str) -> list[str]:
             f"try        curl {url}/v1/models -H \"{header}\""]
 
 
+def draft_line(generator: Generator, draft_dir: Path | None) -> str:
+    if draft_dir is not None:
+        return f"{draft_dir}, up to {generator.scheduler.n_draft} tokens a step"
+    if generator.ngram:
+        return f"n-gram lookup in each request's tokens, up to {generator.scheduler.n_draft} tokens a step"
+    return "none"
+
+
 def text(model_dir: Path, model, generator: Generator, url: str, key: ApiKey | None, host: str,
          draft_dir: Path | None) -> str:
     config = model.exl_config
@@ -72,6 +80,6 @@ def text(model_dir: Path, model, generator: Generator, url: str, key: ApiKey | N
              f"context    {generator.max_seq_len} tokens per request; KV cache {model.cache_mode}, {cache_tokens} "
              f"tokens shared by all requests, up to {generator.scheduler.max_batch_size} at once",
              f"memory     {memory_line(Path(model_dir), model, cache_tokens)}",
-             f"draft      {draft_dir or 'none'}",
+             f"draft      {draft_line(generator, draft_dir)}",
              f"url        {url}/v1  (docs {url}/docs, health {url}/health, metrics {url}/metrics)"]
     return "\n".join(lines + auth_lines(key, url, host))

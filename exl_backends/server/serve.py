@@ -29,6 +29,7 @@ class ServeOptions:
     max_seq_len: int | None = None
     cache_mode: str = "fp16"
     draft_model: Path | None = None
+    ngram_draft: bool = False
     api_key: str | None = None
     no_auth: bool = False
     device: str | None = None
@@ -102,7 +103,8 @@ def serve(o: ServeOptions) -> None:
         draft = ExlForCausalLM.from_pretrained(o.draft_model, device=model.device, max_seq_len=model.max_seq_len,
                                                cache_mode=o.cache_mode)
     cache_tokens = o.cache_tokens or default_cache_tokens(model, o.model, o.max_batch_size)
-    generator = Generator(model, draft_model=draft, max_batch_size=o.max_batch_size, cache_tokens=cache_tokens)
+    generator = Generator(model, draft_model=draft, ngram_draft=o.ngram_draft, max_batch_size=o.max_batch_size,
+                          cache_tokens=cache_tokens)
     app = create_app(generator, Path(o.model).resolve().name, key, max_jobs=o.max_queue or 4 * o.max_batch_size)
     port = sock.getsockname()[1]
     print(banner.text(o.model, model, generator, banner.base_url(o.host, port), key, o.host, o.draft_model),
