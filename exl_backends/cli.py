@@ -25,6 +25,16 @@ def _load(args):
     return model
 
 
+def _generator(args, model):
+    """The Generator of generate and chat, drafting as asked (--draft-model or --ngram-draft)."""
+    from . import ExlForCausalLM, Generator
+    draft = None
+    if args.draft_model:
+        draft = ExlForCausalLM.from_pretrained(args.draft_model, device=model.device, max_seq_len=model.max_seq_len,
+                                               cache_mode=args.cache_mode)
+    return Generator(model, draft_model=draft, ngram_draft=args.ngram_draft)
+
+
 def _gpu_split(text: str):
     """'auto' or comma-separated GiB per GPU ('20,24')."""
     if text == "auto":
@@ -45,9 +55,8 @@ def _sampling(args):
 
 
 def _cmd_generate(args) -> None:
-    from . import Generator
     model = _load(args)
-    gen = Generator(model)
+    gen = _generator(args, model)
     start, n_tokens = time.perf_counter(), 0
     print(args.prompt, end="", flush=True)
     for chunk in gen.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=_sampling(args),
@@ -59,9 +68,8 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_chat(args) -> None:
-    from . import Generator
     model = _load(args)
-    gen = Generator(model)
+    gen = _generator(args, model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"chatting with {args.model} on {model.device}; an empty line or Ctrl-D ends", file=sys.stderr)
     while True:
@@ -184,6 +192,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                       help="shard every layer over N GPUs, one process each (torchrun-compatible)")
 
 
+def _draft_args(p: argparse.ArgumentParser) -> None:
+    drafting = p.add_mutually_exclusive_group()
+    drafting.add_argument("--draft-model", default=None, help="a small model with the same vocabulary, for "
+                                                              "speculative decoding")
+    drafting.add_argument("--ngram-draft", action="store_true",
+                          help="speculative decoding without a draft model: drafts the tokens that followed the "
+                               "latest n-gram earlier in the prompt or output (for edits, code, quoting)")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-new-tokens", type=int, default=256)
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
@@ -214,12 +231,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     _sampling_args(p)
+    _draft_args(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat using the model's chat template")
     _model_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     _sampling_args(p)
+    _draft_args(p)
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("bench", help="prefill and decode tokens/s, with the bandwidth bound",
@@ -299,12 +318,7 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=5000)
-    drafting = p.add_mutually_exclusive_group()
-    drafting.add_argument("--draft-model", default=None, help="a small model with the same vocabulary, for "
-                                                              "speculative decoding")
-    drafting.add_argument("--ngram-draft", action="store_true",
-                          help="speculative decoding without a draft model: drafts the tokens that followed the "
-                               "latest n-gram earlier in the prompt or output (for edits, code, quoting)")
+    _draft_args(p)
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help="the key clients must send (default: the stored one)")
     keys.add_argument("--no-auth", action="store_true", help="no key needed (warns when not on loopback)")

@@ -183,3 +183,28 @@ def test_speculative_sampling_keeps_the_distribution(small_vocab, drafting):
         counts = torch.bincount(outputs[:, depth], minlength=16)
         stat, critical = chi_square_ok(counts, p)
         assert stat < critical, (depth, stat, critical)
+
+
+def test_cli_generate_drafts_as_asked_and_keeps_the_greedy_text(tmp_path, capsys, monkeypatch):
+    from exl_backends import cli
+    drafted = []
+    propose = Generator._propose
+
+    def counted(self, decoders):
+        out = propose(self, decoders)
+        drafted.append(sum(len(tokens) for tokens, _ in out.values()))
+        return out
+    monkeypatch.setattr(Generator, "_propose", counted)
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    save_tiny(target, tiny_config("llama"))
+    save_tiny(draft, tiny_config("llama", num_hidden_layers=1), seed=5)
+    common = ["generate", "-m", str(target), "-p", "ab cd ab cd ab cd ab", "-n", "16", "--greedy", "--device", "cpu",
+              "--max-seq-len", "128"]
+    texts, n_drafted = [], []
+    for extra in ([], ["--ngram-draft"], ["--draft-model", str(draft)]):
+        assert cli.main(common + extra) == 0
+        texts.append(capsys.readouterr().out)
+        n_drafted.append(sum(drafted))
+        drafted.clear()
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > len("ab cd ab cd ab cd ab")
+    assert n_drafted[0] == 0 and n_drafted[1] > 0 and n_drafted[2] > 0
