@@ -1,6 +1,7 @@
 """Every script in examples/ runs (offline, on the default model) and prints what it promises."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,8 +24,16 @@ def run_example(name: str) -> str:
 
 
 def test_every_example_has_a_test():
-    tested = {"hf_generate.py", "langchain_chain.py", "langchain_structured.py", "llamaindex_rag.py"}
+    tested = {"engine.py", "hf_generate.py", "langchain_chain.py", "langchain_structured.py", "llamaindex_rag.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_engine():
+    out = run_example("engine.py").splitlines()
+    assert "Paris" in out[0] and "4" in out[2]
+    answer = json.loads(next(line for line in out if line.startswith("json: "))[len("json: "):])
+    assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
+    assert next(line for line in out if line.startswith("ngram: ")).startswith("ngram: same text True")
 
 
 def test_hf_generate():
