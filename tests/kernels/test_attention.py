@@ -25,7 +25,7 @@ MODES = ["fp16", "q8", "q6", "q4"]
 GEMMA_SHAPES = [(1, 4, 256), (4, 2, 256), (8, 2, 256), (3, 1, 256), (2, 12, 256)]
 SHAPES = [(hkv, group, dh) for hkv in (1, 2, 3, 8) for group in (1, 3, 4) for dh in (64, 128)] + [(2, 12, 64)] + \
     GEMMA_SHAPES
-DECODE_LENS = [1, 255, 256, 257, 1000, 5000]
+DECODE_LENS = [1, 255, 256, 257, 512, 513, 1000, 5000]   # one split up to 512 keys (attention.cu ONE_SPLIT)
 # (tokens already cached, new tokens): prompts with and without a prefix, decode rows, short multi-token chunks
 MIXED = [(0, 300), (700, 57), (4999, 1), (255, 1), (100, 5), (0, 1), (1500, 9), (31, 2), (0, 8)]
 
