@@ -18,11 +18,7 @@ class Mlp:
         self.gate_up = FusedLinear([gate, up])          # one launch on CUDA for quantized gate/up
 
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
-        gate, up = self.gate_up(x)
-        kernel = getattr(self.down, "kernel", None)
-        if kernel is not None and self.activation is Activation.SILU:
-            return kernel(gate, up)         # applies silu(gate) * up as it stages its input: one launch less
-        return self.down(ops.gated(self.activation)(gate, up))
+        return self.down(ops.gated(self.activation)(*self.gate_up(x)))
 
 
 class Experts(Sequence):
