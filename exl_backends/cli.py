@@ -27,11 +27,8 @@ def _load(args):
 
 def _generator(args, model):
     """The Generator of generate and chat, drafting as asked (--draft-model or --ngram-draft)."""
-    from . import ExlForCausalLM, Generator
-    draft = None
-    if args.draft_model:
-        draft = ExlForCausalLM.from_pretrained(args.draft_model, device=model.device, max_seq_len=model.max_seq_len,
-                                               cache_mode=args.cache_mode)
+    from . import Generator
+    draft = model.load_draft(args.draft_model) if args.draft_model else None
     return Generator(model, draft_model=draft, ngram_draft=args.ngram_draft)
 
 

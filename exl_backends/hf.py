@@ -124,6 +124,12 @@ class ExlForCausalLM:
                                  f"load it with ExlForCausalLM.from_pretrained(path, device=..., dtype=...)")
         return self
 
+    def load_draft(self, path: str | Path) -> "ExlForCausalLM":
+        """A draft model for speculative decoding (Generator's draft_model) from path, on this model's device with
+        its context length and cache mode."""
+        return type(self).from_pretrained(path, device=self.device, max_seq_len=self.max_seq_len,
+                                          cache_mode=self.cache_mode)
+
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with room for max_tokens tokens (rounded up to whole pages)."""
         n_pages = -(-max_tokens // self.page_size)

@@ -98,10 +98,7 @@ def serve(o: ServeOptions) -> None:
     model = ExlForCausalLM.from_pretrained(o.model, device=o.device, max_seq_len=o.max_seq_len,
                                            cache_mode=o.cache_mode, gpu_split=o.gpu_split,
                                            tensor_parallel=o.tensor_parallel)
-    draft = None
-    if o.draft_model is not None:
-        draft = ExlForCausalLM.from_pretrained(o.draft_model, device=model.device, max_seq_len=model.max_seq_len,
-                                               cache_mode=o.cache_mode)
+    draft = None if o.draft_model is None else model.load_draft(o.draft_model)
     cache_tokens = o.cache_tokens or default_cache_tokens(model, o.model, o.max_batch_size)
     generator = Generator(model, draft_model=draft, ngram_draft=o.ngram_draft, max_batch_size=o.max_batch_size,
                           cache_tokens=cache_tokens)
