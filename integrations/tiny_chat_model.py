@@ -1,7 +1,8 @@
 """Tiny random chat models for fast CPU tests: a 2-layer Llama with the exl2-ref fixtures' byte-level tokenizer and
 a chat template added (the fixtures' tokenizer has none). Random weights: the text is noise, the protocol is real.
 A few output tokens (the quote among them) get rows of a larger norm in lm_head, so sampled JSON strings close
-within a few tokens and the structured-output tests fit in max_tokens."""
+within a few tokens and the structured-output tests fit in max_tokens. Both adapters' tests import it (pytest's
+pythonpath, pyproject.toml)."""
 from __future__ import annotations
 
 import atexit
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("EXL_FIXTURES", REPO.parent / "shared" / "fixtures" / "exl2-ref"))
 TOKENIZER_DIR = FIXTURES / "hf" / "llama_tiny"
 CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}<|end_of_text|>\n"
