@@ -523,25 +523,27 @@ def draw_rows(logits: Tensor, states: list[SamplerState]) -> tuple[Tensor, Tenso
     top = x.max(-1).values                  # NaN if any is NaN
     broken = (~torch.isfinite(top)).long() * torch.where(top == -math.inf, NOTHING_ALLOWED, BROKEN_LOGITS)
 
-    def column(values) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(x.device, non_blocking=True)[:, None]
+    # the rows' parameters, then their uniforms, in one host-to-device copy each (a copy costs host time per step)
+    k = [min(p.top_k, x.shape[1]) or x.shape[1] for p in ps]
+    columns = torch.tensor([[p.temperature, i - 1, 1 - p.top_p, p.min_p] for p, i in zip(ps, k)],
+                           dtype=torch.float32).to(x.device, non_blocking=True)
+    temperature, kth_index, cut, min_p = columns.T[:, :, None]
+    u = torch.tensor([torch.rand((), generator=s.rng, dtype=torch.float64).item() for s in states],
+                     dtype=torch.float64).to(x.device, non_blocking=True)[:, None]
     if any(p.temperature != 1 for p in ps):
-        x = x / column([p.temperature for p in ps])
+        x = x / temperature
     if any(p.top_k > 0 for p in ps):
-        k = [min(p.top_k, x.shape[1]) or x.shape[1] for p in ps]
-        kth = torch.topk(x, max(k), -1).values.gather(1, column([i - 1 for i in k]).long())
+        kth = torch.topk(x, max(k), -1).values.gather(1, kth_index.long())
         x = x.masked_fill(x < kth, NEG_INF)
     if any(p.top_p < 1 for p in ps):
         sorted_logits, order = torch.sort(x, descending=False, stable=True)      # as top_p: ties in index order
-        remove = sorted_logits.softmax(-1).cumsum(-1) <= column([1 - p.top_p for p in ps])
+        remove = sorted_logits.softmax(-1).cumsum(-1) <= cut
         remove[:, -1] = False
         x = x.masked_fill(remove.scatter(1, order, remove), NEG_INF)
     if any(p.min_p > 0 for p in ps):
         probs = x.softmax(-1)
-        x = x.masked_fill(probs < column([p.min_p for p in ps]) * probs.max(-1, keepdim=True).values, NEG_INF)
+        x = x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, NEG_INF)
     cdf = x.softmax(-1).double().cumsum(-1)
-    u = torch.tensor([torch.rand((), generator=s.rng, dtype=torch.float64).item() for s in states],
-                     dtype=torch.float64).to(x.device, non_blocking=True)[:, None]
     last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)
     return torch.minimum(torch.searchsorted(cdf, cdf[:, -1:] * u, right=True), last)[:, 0], broken
 
