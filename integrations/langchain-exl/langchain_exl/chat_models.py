@@ -28,18 +28,10 @@ class ChatExl(ExlSettings, BaseChatModel):
     `ChatExl(model="path/to/dir", max_tokens=256, temperature=0.7)`. Construction is cheap: the weights load on first
     use, once per process for each directory (`exl_backends.engines`). Prompts are rendered with the tokenizer's chat
     template; generation ends at the template's end-of-turn tokens, at EOS, at a stop string (cut before it) or at
-    max_tokens. Structured output is grammar-constrained (`with_structured_output`). Tool calling is not supported (`bind_tools` raises NotImplementedError). Text only: image, audio
-    or file content blocks are refused.
+    max_tokens. Structured output is grammar-constrained (`with_structured_output`). Tool calling is not supported
+    (`bind_tools` raises NotImplementedError). Text only: image, audio or file content blocks are refused.
     """
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
-
-    @property
-    def _llm_type(self) -> str:
-        return "exl"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self.identifying_params()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="exl", ls_model_name=kwargs.get("model", self.model_name),

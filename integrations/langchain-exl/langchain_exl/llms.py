@@ -19,14 +19,6 @@ class ExlLLM(ExlSettings, LLM):
     batches. Weights load on first use, once per process for each directory."""
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
 
-    @property
-    def _llm_type(self) -> str:
-        return "exl"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self.identifying_params()
-
     def _submit(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]):
         gen = self.generator(kwargs.get("model"))
         return gen, gen.submit(prompt, **self.job_arguments(stop, kwargs))

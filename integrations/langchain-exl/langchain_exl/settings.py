@@ -59,6 +59,11 @@ class ExlSettings(BaseModel):
                 "sampling": sampling, "stop": stop if stop is not None else (self.stop or []),
                 "json_schema": kwargs.get("json_schema"), "json_object": bool(kwargs.get("json_object"))}
 
-    def identifying_params(self) -> dict[str, Any]:
+    @property
+    def _llm_type(self) -> str:
+        return "exl"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self.model_name, **{name: getattr(self, name) for name in SAMPLING_FIELDS},
                 "max_tokens": self.max_tokens, "stop": self.stop}
