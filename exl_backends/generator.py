@@ -373,10 +373,10 @@ class Generator:
         gives the token after drafted[:i]; drafted tokens are kept while the chosen token equals them. drawn: the
         token already drawn for its one row (_plain_samples, Launched), or why none was."""
         try:
+            if isinstance(drawn, SamplingError):
+                raise drawn
             for i, row in enumerate(rows):
                 draft = drafted[i] if i < len(drafted) else None
-                if isinstance(drawn, SamplingError):
-                    raise drawn
                 if drawn is not None:
                     token, logprob = drawn, None
                 else:
