@@ -23,11 +23,11 @@ from exl_backends.kernels import quant_matmul  # noqa: E402
 QM = quant_matmul.QuantMatmul
 
 
-def _no_matmul(self, x):
+def _no_matmul(self, x, up=None):
     return [torch.empty(*x.shape[:-1], lay.n, dtype=x.dtype, device=x.device) for lay in self.layouts]
 
 
-def _no_stage(self, x, rows):
+def _no_stage(self, x, up, rows):
     cls = quant_matmul.rows_class(rows)
     if cls not in self.staged:          # QuantMatmul._stage's buffer: x rows per part, then float2 corrections
         self.staged[cls] = torch.zeros(len(self.layouts) * cls * (self.k + (self.k // 32) * 4), dtype=torch.float16,
@@ -39,8 +39,7 @@ OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-
     "attention": dict(paged_attention=lambda q, *a, **k: torch.empty_like(q)),
     "add_rmsnorm": dict(add_rmsnorm=lambda x, residual, w, eps: (x, residual)),
     "rope_kv_write": dict(rope_write=lambda q, *a: q),
-    "silu_mul": dict(silu_mul=lambda gate, up: gate),
-}
+}           # (silu_mul: applied by the down projection's stage_xs, Mlp.__call__)
 CLASS_LEFT_OUT = {"stage_xs": ("_stage", _no_stage), "matmul": ("forward", _no_matmul)}
 
 

@@ -36,20 +36,20 @@
 //   quant_matmul.PARAMS_DTYPE mirrors the struct (a host test compares their offsets).
 //
 // MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
-//   stage_xs writes x once per launch as the matmul reads it: each part's R = 1, 8 or 16 rows (rows past M repeat
-//   row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's corrections per row (float2
-//   (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block 256 = 8 warps, dynamic
-//   shared memory: the split's chunk_meta entries. The launcher sizes the grid to one wave of resident blocks where
-//   it can. A warp first prefetches into L2 the start of its weight span (PREFETCH_BYTES) and all group records of
-//   its range, and the block stages its chunk_meta entries: all from the parameters, so this overlaps the kernel
-//   before (dependent launch, common.cuh). After pdl_wait, warp w walks the chunks of strip 8bx + w in batches (each
-//   batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are in flight without holding
+//   stage_xs writes x (or the gated MLP's silu(x) * up) once per launch as the matmul reads it: each part's R = 1, 8 or
+//   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's
+//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block
+//   256 = 8 warps, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid to one wave of
+//   resident blocks where it can. A warp first prefetches into L2 the start of its weight span (PREFETCH_BYTES) and all
+//   group records of its range, and the block stages its chunk_meta entries: all from the parameters, so this overlaps
+//   the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the chunks of strip 8bx + w in
+//   batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are in flight without holding
 //   registers), loading with each chunk's words its B fragments of x and its corrections (L2): per chunk each lane
-//   decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with
-//   A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the current group. At each
-//   group change the partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and
-//   added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding
-//   of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with A =
+//   16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the current group. At each group
+//   change the partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the
+//   accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the larger
+//   sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
 //   (NOTES-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
 //   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
 //   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
@@ -943,8 +943,10 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
 // x [M, K] for the small-M launch of p, R = gridDim.z staged rows (1, 8 or 16; row m >= M repeats row M - 1):
 // chunk c = blockIdx.x * WARPS + warp of part blockIdx.y and row m = blockIdx.z, by one warp, lane r taking stored
 // row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
-// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order).
-__device__ __forceinline__ void stage_xs(const Params& p, const half* x, half* xs)
+// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). With up
+// (non-null, [M, K] like x), the x staged is the gated MLP's fp16(fp16(silu(x)) * up), rounded as
+// activation.cu's silu_mul: the down projection needs no launch of its own for the activation.
+__device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, half* xs)
 {
     const int part = blockIdx.y, c = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int m = blockIdx.z, R = gridDim.z, chunks = p.K / 32;
@@ -953,7 +955,13 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, half* x
     const int k = 32 * c + lane, b = width_at(pt, c);
     const int src = pt.perm ? __ldg(pt.perm + k) : k;
     pdl_wait();                                        // x comes from the kernel before
-    const half v = __float2half_rn(__half2float(x[(size_t)min(m, p.M - 1) * p.K + src]) * row_scale(b, lane));
+    const size_t at = (size_t)min(m, p.M - 1) * p.K + src;
+    half in = x[at];
+    if (up) {
+        const half act = __float2half_rn(silu(__half2float(in)));
+        in = __float2half_rn(__fmul_rn(__half2float(act), __half2float(up[at])));
+    }
+    const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
     xs[((size_t)part * R + m) * p.K + k] = v;
     float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
     if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
@@ -1381,13 +1389,13 @@ gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, ha
 }
 
 // grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
-// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x staged for the small-M kernels
-// (qmm::stage_xs).
+// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x (or silu(x) * up) staged for the small-M
+// kernels (qmm::stage_xs).
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
-stage_xs(const __grid_constant__ qmm::Params p, const half* x, half* xs)
+stage_xs(const __grid_constant__ qmm::Params p, const half* x, const half* up, half* xs)
 {
     exl::pdl_trigger();
-    qmm::stage_xs(p, x, xs);
+    qmm::stage_xs(p, x, up, xs);
 }
 
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)

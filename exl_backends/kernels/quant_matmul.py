@@ -28,6 +28,7 @@ from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
+from . import activation
 from .loader import launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
@@ -496,19 +497,27 @@ class QuantMatmul:
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, up: Tensor | None = None) -> Tensor:
         """The forward of a single weight."""
-        (y,) = self.forward(x)
+        (y,) = self.forward(x, up)
         return y
 
-    def forward(self, x: Tensor) -> list[Tensor]:
-        """One output per weight, [..., N_i] for x [..., K]."""
-        if x.dtype != torch.float16:
+    def forward(self, x: Tensor, up: Tensor | None = None) -> list[Tensor]:
+        """One output per weight, [..., N_i] for x [..., K]. With `up` (x's shape), for the gated MLP's
+        silu(x) * up (activation.silu_mul's roundings): below LARGE_M rows stage_xs applies it as it stages x."""
+        if x.dtype != torch.float16 or (up is not None and up.dtype != torch.float16):
             raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {x.dtype}; load the model "
                               f"with dtype=torch.float16")
+        if up is not None and up.shape != x.shape:
+            raise ValueError(f"gate {tuple(x.shape)} and up {tuple(up.shape)} differ in shape")
         lead = x.shape[:-1]
         x = x.reshape(-1, self.layouts[0].k).contiguous()
-        ys = self._path(x.shape[0])(x)
+        if up is not None and x.shape[0] >= LARGE_M:
+            x, up = activation.silu_mul(x, up.reshape(x.shape)), None
+        if up is None:
+            ys = self._path(x.shape[0])(x)
+        else:
+            ys = self._small(x, up.reshape(x.shape).contiguous())
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
 
     def _path(self, rows: int):
@@ -517,29 +526,30 @@ class QuantMatmul:
             return self._small
         return self._gemm if rows <= GEMM_MAX_M else self._dequant_matmul
 
-    def _small(self, x: Tensor) -> list[Tensor]:
+    def _small(self, x: Tensor, up: Tensor | None = None) -> list[Tensor]:
         m = x.shape[0]
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))
         for m0 in range(0, m, ROWS_PER_PASS):
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
-            xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
+            xs, ups, outs = (x, up, ys) if m0 == 0 else (x[m0:], up if up is None else up[m0:], [y[m0:] for y in ys])
             launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
-                   args=(self.args[rows], self._stage(xs, rows), *outs, *nulls, self._ws(plan, rows, x.device)),
+                   args=(self.args[rows], self._stage(xs, ups, rows), *outs, *nulls, self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
         return ys
 
-    def _stage(self, x: Tensor, rows: int) -> Tensor:
-        """`rows` rows of x as the small-M kernels read them (quant_matmul.cu stage_xs): each part's rows_class(rows)
-        rows in stored order, then their corrections, in a buffer kept from call to call (one per rows class)."""
+    def _stage(self, x: Tensor, up: Tensor | None, rows: int) -> Tensor:
+        """`rows` rows of x (or of silu(x) * up) as the small-M kernels read them (quant_matmul.cu stage_xs): each
+        part's rows_class(rows) rows in stored order, then their corrections, in a buffer kept from call to call
+        (one per rows class)."""
         k, parts, cls = self.k, len(self.layouts), rows_class(rows)
         buf = self.staged.get(cls)
         if buf is None:
             buf = self.staged[cls] = torch.empty(parts * cls * (k + (k // CHUNK) * 4), dtype=torch.float16,
                                                  device=x.device)
         launch("quant_matmul", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
-               args=(self.args[rows], x, buf))
+               args=(self.args[rows], x, up, buf))
         return buf
 
     def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:

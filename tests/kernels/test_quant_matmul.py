@@ -480,6 +480,28 @@ def test_forward_replays_in_a_cuda_graph(m):
     assert not torch.equal(y, eager)
 
 
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("m", [1, 5, 16, 17])       # staged with the activation (1-16 rows), then silu_mul first
+def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
+    """f(gate, up) is the down projection of the gated MLP: bit for bit f(silu_mul(gate, up)), and close to the
+    reference composition."""
+    from exl_backends.kernels import activation
+    k = 4128
+    w = (synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=m) if fmt == "exl2"
+         else synthetic.random_gptq(k, 160, 4, 128, True, False, seed=m))
+    gen = torch.Generator().manual_seed(m)
+    gate, up = (torch.randn(m, k, generator=gen) * 3).half(), torch.randn(m, k, generator=gen).half()
+    f = qm.prepare(w.to(torch.device("cuda")), None)
+    for _ in range(2):
+        poison_allocator()
+        y = f(gate.cuda(), up.cuda())
+        assert torch.equal(y, f(activation.silu_mul(gate.cuda(), up.cuda())))
+    ref = reference.silu_mul(gate, up).float() @ w.dequantize().float().T
+    assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < 2e-3
+    with pytest.raises(ValueError, match="differ in shape"):
+        f(gate.cuda(), up[:, 1:].cuda())
+
 
 @on_gpu
 @pytest.mark.parametrize("m", [1, 5, 16, 70])
