@@ -85,6 +85,7 @@
 //   strip over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference), stages each
 //   32 x 32 tile in shared memory and writes its rows to w_out[perm[k']][strip cols] (row stride Np).
 #include "common.cuh"
+#include "norm.cuh"
 
 namespace qmm {
 
@@ -940,26 +941,66 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
                                     ws ? ws + pt.ws_offset : ws, pt.counters);
 }
 
+// The add_rmsnorm of the block's row of x (row: its offset in x), as norm.cu computes it (norm.cuh): r = fp16(x +
+// residual) (residual null: r = x), then fp16(w * fp16(r * inv_rms)) at the lane's src, w = the norm weight there.
+// r is kept in shared memory (K halves, dynamic; x and residual 16-byte aligned, K % 8 == 0: the launcher checks);
+// a writer block (part 0, blockIdx.z < M) writes its 256 elements of r, 256 blockIdx.x on, to new_residual. Every
+// thread of the block calls it (block_sum's barrier, which also publishes r).
+__device__ __forceinline__ half stage_norm(const half* x, const half* residual, half w, half* new_residual, int K,
+                                           size_t row, int src, float eps, bool writer)
+{
+    static_assert(THREADS == NORM_THREADS, "norm.cuh sums a row over NORM_THREADS threads");
+    extern __shared__ __align__(16) half r_s[];
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+        uint4 xv = *reinterpret_cast<const uint4*>(x + row + i);
+        half* r = reinterpret_cast<half*>(&xv);
+        if (residual) {
+            const uint4 bv = *reinterpret_cast<const uint4*>(residual + row + i);
+            const half* b = reinterpret_cast<const half*>(&bv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) r[j] = add_residual(r[j], b[j]);
+        }
+        *reinterpret_cast<uint4*>(r_s + i) = xv;
+        sum_sq += sum_squares<8>(r);
+    }
+    const float inv_rms = inverse_rms(block_sum(sum_sq), K, eps);
+    const int e = blockIdx.x * THREADS + threadIdx.x;
+    if (writer && residual && e < K) new_residual[row + e] = r_s[e];
+    return normalise(r_s[src], w, inv_rms);
+}
+
 // x [M, K] for the small-M launch of p, R = gridDim.z staged rows (1, 8 or 16; row m >= M repeats row M - 1):
 // chunk c = blockIdx.x * WARPS + warp of part blockIdx.y and row m = blockIdx.z, by one warp, lane r taking stored
 // row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
-// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). With up
-// (non-null, [M, K] like x), the x staged is the gated MLP's fp16(fp16(silu(x)) * up), rounded as
-// activation.cu's silu_mul: the down projection needs no launch of its own for the activation.
-__device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, half* xs)
+// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). What is staged
+// in place of x, so that the op before needs no launch of its own:
+//  - up non-null ([M, K] like x): the gated MLP's fp16(fp16(silu(x)) * up), rounded as activation.cu's silu_mul;
+//  - norm_w non-null: the block's add_rmsnorm (residual non-null) or rmsnorm of x with weight norm_w (stage_norm),
+//    the new residual written to new_residual.
+__device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, const half* residual,
+                                         const half* norm_w, half* new_residual, float eps, half* xs)
 {
     const int part = blockIdx.y, c = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int m = blockIdx.z, R = gridDim.z, chunks = p.K / 32;
-    if (part >= p.n_parts || c >= chunks) return;
+    const bool active = c < chunks;                    // (the grid's y is n_parts)
+    if (!active && !norm_w) return;                    // (with a norm, every thread takes part in its barrier)
     const Part& pt = p.part[part];
-    const int k = 32 * c + lane, b = width_at(pt, c);
-    const int src = pt.perm ? __ldg(pt.perm + k) : k;
+    const int k = 32 * c + lane, b = active ? width_at(pt, c) : 0;
+    const int src = !active ? 0 : pt.perm ? __ldg(pt.perm + k) : k;
+    const half w = norm_w ? __ldg(norm_w + src) : half();
     pdl_wait();                                        // x comes from the kernel before
-    const size_t at = (size_t)min(m, p.M - 1) * p.K + src;
-    half in = x[at];
+    const size_t row = (size_t)min(m, p.M - 1) * p.K;
+    half in;
+    if (norm_w) {
+        in = stage_norm(x, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M);
+        if (!active) return;
+    } else {
+        in = x[row + src];
+    }
     if (up) {
         const half act = __float2half_rn(silu(__half2float(in)));
-        in = __float2half_rn(__fmul_rn(__half2float(act), __half2float(up[at])));
+        in = __float2half_rn(__fmul_rn(__half2float(act), __half2float(up[row + src])));
     }
     const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
     xs[((size_t)part * R + m) * p.K + k] = v;
@@ -1389,13 +1430,14 @@ gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, ha
 }
 
 // grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
-// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x (or silu(x) * up) staged for the small-M
-// kernels (qmm::stage_xs).
+// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x (or silu(x) * up, or the add_rmsnorm of x)
+// staged for the small-M kernels (qmm::stage_xs); dynamic shared memory 2K bytes with norm_w, else none.
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
-stage_xs(const __grid_constant__ qmm::Params p, const half* x, const half* up, half* xs)
+stage_xs(const __grid_constant__ qmm::Params p, const half* x, const half* up, const half* residual,
+         const half* norm_w, half* new_residual, float eps, half* xs)
 {
     exl::pdl_trigger();
-    qmm::stage_xs(p, x, up, xs);
+    qmm::stage_xs(p, x, up, residual, norm_w, new_residual, eps, xs);
 }
 
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)

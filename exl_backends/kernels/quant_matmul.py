@@ -28,7 +28,7 @@ from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
-from . import activation
+from . import activation, norm
 from .loader import launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
@@ -40,6 +40,10 @@ MAX_PARTS = 3                   # weights per launch (quant_matmul.cu MAX_PARTS)
 MAX_SPLITS = 64                 # K splits of one part (quant_matmul.cu MAX_SPLITS)
 
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
+# stage_xs's arguments (up, residual, norm_w, new_residual, eps) that stage x as it is; QuantMatmul.forward and
+# forward_normed pass others, which apply the gated MLP's activation or the block's norm to x as it is staged
+PLAIN = (None, None, None, None, 0.0)
+STAGE_NORM_SMEM = 48 * 1024     # shared memory stage_xs may keep a row in (the default limit, no opt-in)
 # From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
 # A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
 # every count that would need a second pass: 17..32 rows cost two passes against a GEMM roofline of the weight read.
@@ -421,6 +425,13 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
     return block0, ws, starts_all
 
 
+def _check_fp16(*tensors: Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and t.dtype != torch.float16:
+            raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {t.dtype}; load the model "
+                              f"with dtype=torch.float16")
+
+
 def rows_class(rows: int) -> int:
     """The small-M kernel for `rows` rows of x (1, 8 or 16), i.e. the rows stage_xs stages for it."""
     return 1 if rows == 1 else 8 if rows <= 8 else 16
@@ -505,20 +516,37 @@ class QuantMatmul:
     def forward(self, x: Tensor, up: Tensor | None = None) -> list[Tensor]:
         """One output per weight, [..., N_i] for x [..., K]. With `up` (x's shape), for the gated MLP's
         silu(x) * up (activation.silu_mul's roundings): below LARGE_M rows stage_xs applies it as it stages x."""
-        if x.dtype != torch.float16 or (up is not None and up.dtype != torch.float16):
-            raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {x.dtype}; load the model "
-                              f"with dtype=torch.float16")
+        _check_fp16(x, up)
         if up is not None and up.shape != x.shape:
             raise ValueError(f"gate {tuple(x.shape)} and up {tuple(up.shape)} differ in shape")
         lead = x.shape[:-1]
-        x = x.reshape(-1, self.layouts[0].k).contiguous()
+        x = x.reshape(-1, self.k).contiguous()
         if up is not None and x.shape[0] >= LARGE_M:
             x, up = activation.silu_mul(x, up.reshape(x.shape)), None
         if up is None:
             ys = self._path(x.shape[0])(x)
         else:
-            ys = self._small(x, up.reshape(x.shape).contiguous())
+            ys = self._small(x, (up.reshape(x.shape).contiguous(), None, None, None, 0.0))
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
+
+    def forward_normed(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
+        """(forward(x), r) for the block's norm in front of these weights: r = residual + h (residual None: h, the
+        first block's), x = rmsnorm(r) * w, as norm.add_rmsnorm and norm.rmsnorm compute them, bit for bit. Below
+        LARGE_M rows stage_xs normalises x as it stages it: the norm needs no launch of its own."""
+        _check_fp16(h, residual, w)
+        if residual is not None and residual.shape != h.shape:
+            raise ValueError(f"x {tuple(h.shape)} and residual {tuple(residual.shape)} differ in shape")
+        lead = h.shape[:-1]
+        h = h.reshape(-1, self.k).contiguous()
+        residual = None if residual is None else residual.reshape(h.shape).contiguous()
+        if h.shape[0] >= LARGE_M or 2 * self.k > STAGE_NORM_SMEM or any(
+                t is not None and t.data_ptr() % 16 for t in (h, residual, w)):
+            x, new = (norm.rmsnorm(h, w, eps), h) if residual is None else norm.add_rmsnorm(h, residual, w, eps)
+            ys = self._path(h.shape[0])(x)
+        else:
+            new = h if residual is None else torch.empty_like(h)
+            ys = self._small(h, (None, residual, w, new, float(eps)))
+        return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)], new.reshape(*lead, self.k)
 
     def _path(self, rows: int):
         """The method that multiplies `rows` rows of x (LARGE_M, GEMM_MAX_M)."""
@@ -526,30 +554,34 @@ class QuantMatmul:
             return self._small
         return self._gemm if rows <= GEMM_MAX_M else self._dequant_matmul
 
-    def _small(self, x: Tensor, up: Tensor | None = None) -> list[Tensor]:
+    def _small(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
+        """Passes of ROWS_PER_PASS rows of x. before: what stage_xs applies to x as it stages it (PLAIN: nothing),
+        for x of at most ROWS_PER_PASS rows (one pass)."""
         m = x.shape[0]
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))
         for m0 in range(0, m, ROWS_PER_PASS):
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
-            xs, ups, outs = (x, up, ys) if m0 == 0 else (x[m0:], up if up is None else up[m0:], [y[m0:] for y in ys])
+            xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
             launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
-                   args=(self.args[rows], self._stage(xs, ups, rows), *outs, *nulls, self._ws(plan, rows, x.device)),
+                   args=(self.args[rows], self._stage(xs, rows, before), *outs, *nulls,
+                         self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
         return ys
 
-    def _stage(self, x: Tensor, up: Tensor | None, rows: int) -> Tensor:
-        """`rows` rows of x (or of silu(x) * up) as the small-M kernels read them (quant_matmul.cu stage_xs): each
-        part's rows_class(rows) rows in stored order, then their corrections, in a buffer kept from call to call
-        (one per rows class)."""
+    def _stage(self, x: Tensor, rows: int, before: tuple) -> Tensor:
+        """`rows` rows of x (after `before`) as the small-M kernels read them (quant_matmul.cu stage_xs): each part's
+        rows_class(rows) rows in stored order, then their corrections, in a buffer kept from call to call (one per
+        rows class)."""
         k, parts, cls = self.k, len(self.layouts), rows_class(rows)
         buf = self.staged.get(cls)
         if buf is None:
             buf = self.staged[cls] = torch.empty(parts * cls * (k + (k // CHUNK) * 4), dtype=torch.float16,
                                                  device=x.device)
+        normed = before[2] is not None          # stage_norm keeps the row in shared memory
         launch("quant_matmul", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
-               args=(self.args[rows], x, up, buf))
+               args=(self.args[rows], x, *before, buf), shared_mem=2 * k if normed else 0)
         return buf
 
     def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:

@@ -502,6 +502,39 @@ def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
     with pytest.raises(ValueError, match="differ in shape"):
         f(gate.cuda(), up[:, 1:].cuda())
 
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("m", [1, 5, 16, 17])       # normed as staged (1-16 rows), then norm.add_rmsnorm first
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_normed_forward_is_the_norm_kernel_then_forward(fmt, m, with_residual):
+    """forward_normed(h, residual, w, eps) of fused weights (each with its own permutation) is bit for bit
+    norm.add_rmsnorm (norm.rmsnorm without a residual) then forward, outputs and new residual; rows that are not
+    16-byte aligned take that composition (whose norm kernel then sums element by element)."""
+    from exl_backends.kernels import norm
+    k = 4128
+    if fmt == "exl2":
+        weights = [synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+                   synthetic.random_exl2(k, 517, "0.1:3b_64g/0.9:2b_64g", seed=2)]
+    else:
+        weights = [synthetic.random_gptq(k, 160, 4, 128, True, False, seed=1),
+                   synthetic.random_gptq(k, 96, 4, 128, True, False, seed=2)]
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in weights])
+    gen = torch.Generator().manual_seed(m)
+    h = torch.randn(m, k, generator=gen).half().cuda()
+    residual = (torch.randn(m, k, generator=gen) * 4).half().cuda() if with_residual else None
+    w = (torch.rand(k, generator=gen) + 0.5).half().cuda()
+    x, r = norm.add_rmsnorm(h, residual, w, 1e-5) if with_residual else (norm.rmsnorm(h, w, 1e-5), h)
+    expected = f.forward(x)
+    for _ in range(2):
+        poison_allocator()
+        ys, new = f.forward_normed(h, residual, w, 1e-5)
+        assert torch.equal(new, r) and all(torch.equal(y, e) for y, e in zip(ys, expected))
+    unaligned = torch.empty(m * k + 1, dtype=torch.float16, device="cuda")[1:].view(m, k)
+    unaligned.copy_(h)
+    x = norm.add_rmsnorm(unaligned, residual, w, 1e-5)[0] if with_residual else norm.rmsnorm(unaligned, w, 1e-5)
+    ys, new = f.forward_normed(unaligned, residual, w, 1e-5)
+    assert torch.equal(new, r) and all(torch.equal(y, e) for y, e in zip(ys, f.forward(x)))
+
 
 @on_gpu
 @pytest.mark.parametrize("m", [1, 5, 16, 70])
