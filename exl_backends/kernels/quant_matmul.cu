@@ -32,24 +32,25 @@
 //   knows its weights' addresses without a dependent load). It describes up to MAX_PARTS weights ("parts") that
 //   share x and K (q/k/v, gate/up: one launch), each with its own layout, group tables, permutation, bias, output
 //   and plan: blocks part.block0 .. + col_blocks * n_splits, block b of a part covering strips
-//   8 (b % col_blocks) .. + 7 and chunks split_chunk[s] .. split_chunk[s + 1] with s = b / col_blocks.
+//   S (b % col_blocks) .. + S - 1 (S strips per block: 8, or blockDim.x / 32 for the small-M kernels) and chunks
+//   split_chunk[s] .. split_chunk[s + 1] with s = b / col_blocks.
 //   quant_matmul.PARAMS_DTYPE mirrors the struct (a host test compares their offsets).
 //
 // MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
 //   stage_xs writes x (or the gated MLP's silu(x) * up) once per launch as the matmul reads it: each part's R = 1, 8 or
 //   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's
 //   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block
-//   256 = 8 warps, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid to one wave of
-//   resident blocks where it can. A warp first prefetches into L2 the start of its weight span (PREFETCH_BYTES) and all
-//   group records of its range, and the block stages its chunk_meta entries: all from the parameters, so this overlaps
-//   the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the chunks of strip 8bx + w in
-//   batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are in flight without holding
-//   registers), loading with each chunk's words its B fragments of x and its corrections (L2): per chunk each lane
-//   decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with A =
-//   16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the current group. At each group
-//   change the partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the
-//   accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the larger
-//   sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   S = 8 or 7 warps, one a strip, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid
+//   to one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
+//   (PREFETCH_BYTES) and all group records of its range, and the block stages its chunk_meta entries: all from the
+//   parameters, so this overlaps the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the
+//   chunks of strip S bx + w in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are
+//   in flight without holding registers), loading with each chunk's words its B fragments of x and its corrections
+//   (L2): per chunk each lane decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and
+//   issues m16n8k16 MMAs with A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the
+//   current group. At each group change the partial (minus the FOLDED corrections) is scaled by the group's per-column
+//   scale (fp32) and added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the
+//   fp32 rounding of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
 //   (NOTES-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
 //   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
 //   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
@@ -538,7 +539,7 @@ __device__ __forceinline__ void walk(const Part& pt, int strip, int split, const
 // chunk_meta[c0..c1) into shared memory (every thread of the block takes part).
 __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta, int c0, int c1)
 {
-    for (int c = c0 + (int)threadIdx.x; c < c1; c += THREADS) meta_s[c - c0] = __ldg(chunk_meta + c);
+    for (int c = c0 + (int)threadIdx.x; c < c1; c += blockDim.x) meta_s[c - c0] = __ldg(chunk_meta + c);
 }
 
 // ------------------------------------------------------------------------------------------- matmul
@@ -897,7 +898,8 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
 
 // Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
 // corrections [K / 32][ROWS]): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once
-// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait).
+// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait). A block has one
+// warp per strip, 8 or fewer (blockDim.x / 32: the launcher picks the count that fills the wave best).
 template <class Fmt, int N8, bool M1>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters)
@@ -905,7 +907,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * (blockDim.x / 32) + warp;
     Stream st;
     if (strip < pt.strips) {
         start_stream(st, pt, strip, split, lane);

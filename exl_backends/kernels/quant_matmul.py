@@ -80,12 +80,19 @@ MAX_SPLIT_ROWS = 256
 GATHER_SPLIT_ROWS = 128
 X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more would need an opt-in per kernel
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
-# The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): DRAM streams
-# BANDWIDTH bytes/s; one warp alone streams at most WARP_RATE (its prefetch distance over the memory latency); each
-# wave of blocks costs WAVE_SECONDS on top (ramp-up, x gather, split-K tail).
+# The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): the SMs share
+# BANDWIDTH bytes/s evenly, so a wave lasts as long as its busiest SM's bytes take (an SM left with fewer blocks
+# idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); one warp alone streams at most
+# WARP_RATE (its prefetch distance over the memory latency); each wave costs WAVE_SECONDS on top (ramp-up, x
+# gather, split-K tail).
 BANDWIDTH = 4.0e12
 WARP_RATE = 3.0e9
 WAVE_SECONDS = 3.0e-6
+# Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
+# of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
+# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, NOTES-matmul.md v10).
+SMALL_STRIPS_PER_BLOCK = (8, 7)
+SMALL_BLOCKS_GAIN = 0.95
 
 
 class Format(Enum):
@@ -325,22 +332,31 @@ def _tile_bytes(starts: list[int], rows: int) -> int:
     return -(-x_tile(starts, rows)[1] // 16) * 16 + 8 * (1 + rows) * max(b - a for a, b in zip(starts, starts[1:]))
 
 
-def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], slots: int) -> float:
-    """The planner's model (BANDWIDTH, WARP_RATE, WAVE_SECONDS above) of a launch's time."""
-    waves = -(-sum(c * s for c, s in zip(col_blocks, splits)) // slots)
-    total = sum(b * c * WARPS for b, c in zip(strip_bytes, col_blocks))
+def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], n_sm: int, per_sm: int,
+                    strips_per_block: int = WARPS) -> float:
+    """The planner's model (BANDWIDTH, WARP_RATE, WAVE_SECONDS above) of a launch's time: per_sm blocks of
+    strips_per_block warps fit on each of n_sm SMs, a warp streams its strip's bytes over its split."""
+    blocks = sum(c * s for c, s in zip(col_blocks, splits))
     warp = max(b / s for b, s in zip(strip_bytes, splits))
-    return waves * WAVE_SECONDS + max(total / BANDWIDTH, waves * warp / WARP_RATE)
+    seconds = 0.0
+    while blocks > 0:
+        wave = min(blocks, n_sm * per_sm)
+        busiest = -(-wave // n_sm) * strips_per_block * warp           # the bytes of the SM with the most blocks
+        seconds += WAVE_SECONDS + max(busiest * n_sm / BANDWIDTH, warp / WARP_RATE)
+        blocks -= wave
+    return seconds
 
 
-def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: int) -> list[int]:
+def choose_splits(layouts: list[LaneLayout], rows: int, n_sm: int, per_sm: int, smem_rows: int,
+                  strips_per_block: int = WARPS) -> list[int]:
     """Splits of K per part: the fastest plan by _launch_seconds, every part's splits within its limits (at least
     MIN_CHUNKS_PER_SPLIT chunks, MAX_SPLITS, and splits * rows within MAX_SPLIT_ROWS, GATHER_SPLIT_ROWS where each
     block gathers x) and its x tile within X_SMEM_BYTES (smem_rows rows of x gathered per block; 0 for none: x
     staged once per launch). Ties go to the plan with fewer waves, then more blocks."""
     split_rows = GATHER_SPLIT_ROWS if smem_rows else MAX_SPLIT_ROWS
+    slots = n_sm * per_sm
     strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
-    col_blocks = [-(-lay.strips // WARPS) for lay in layouts]
+    col_blocks = [-(-lay.strips // strips_per_block) for lay in layouts]
     lo, hi = [], []
     for lay in layouts:
         chunks = len(lay.chunk_bits)
@@ -354,7 +370,8 @@ def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: i
         for s in range(1, h + 1):              # candidate bytes per warp: b / s
             splits = [min(hq, max(lq, math.ceil(bq * s / b))) for bq, lq, hq in zip(strip_bytes, lo, hi)]
             blocks = sum(c * n for c, n in zip(col_blocks, splits))
-            key = (round(_launch_seconds(strip_bytes, col_blocks, splits, slots), 8), -(-blocks // slots), -blocks)
+            seconds = _launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, strips_per_block)
+            key = (round(seconds, 8), -(-blocks // slots), -blocks)
             if best is None or key < best[0]:
                 best = (key, splits)
     if max(best[1]) > MAX_SPLITS:
@@ -371,6 +388,7 @@ class Plan:
     smem: int
     params: np.ndarray       # 0-d PARAMS_DTYPE
     ws_floats: int           # fp32 split partials the launch needs (0: none); GEMM plans: per row of x
+    threads: int = THREADS   # per block (small-M plans: 32 per strip of a block)
 
     def arg(self) -> np.ndarray:
         """The Params as a kernel argument (the loader passes the struct's bytes by value)."""
@@ -382,9 +400,9 @@ def _ptr(t: Tensor | None) -> int:
 
 
 def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor],
-              splits: list[int], rows: int) -> Plan:
+              splits: list[int], rows: int, strips_per_block: int = WARPS) -> Plan:
     p = np.zeros((), PARAMS_DTYPE)
-    block0, ws, starts_all = _fill_parts(p, layouts, biases, counters, splits, WARPS, 1, rows)
+    block0, ws, starts_all = _fill_parts(p, layouts, biases, counters, splits, strips_per_block, 1, rows)
     p["n_parts"], p["M"], p["K"] = len(layouts), rows, layouts[0].k
     smem = 0
     if rows:                                  # the part with the longest split sets both sizes (_tile_bytes)
@@ -393,7 +411,7 @@ def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None
         chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
         p["corr_smem"] = int(p["meta_smem"]) + 8 * chunks
         smem = int(p["corr_smem"]) + 8 * chunks * rows
-    return Plan(kernel, block0, smem, p, ws)
+    return Plan(kernel, block0, smem, p, ws, 32 * strips_per_block)
 
 
 def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor | None],
@@ -437,13 +455,29 @@ def rows_class(rows: int) -> int:
     return 1 if rows == 1 else 8 if rows <= 8 else 16
 
 
+def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, list[int]]:
+    """(strips per block, splits per part) of the small-M launch for `rows` rows of x: blocks of the first of
+    SMALL_STRIPS_PER_BLOCK (8 strips, the measured default), or of another count where _launch_seconds rates its
+    best splits SMALL_BLOCKS_GAIN faster (the model is coarse: a few percent decide nothing)."""
+    per_sm = RESIDENT_BLOCKS[rows_class(rows)]
+    strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
+    plans = []
+    for spb in SMALL_STRIPS_PER_BLOCK:
+        splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb)
+        col_blocks = [-(-lay.strips // spb) for lay in layouts]
+        plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb), spb, splits))
+    best = min(plans, key=lambda plan: plan[0])
+    _, spb, splits = best if best[0] < SMALL_BLOCKS_GAIN * plans[0][0] else plans[0]
+    return spb, splits
+
+
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
                n_sm: int) -> Plan:
     """The small-M launch for `rows` rows of x, which stage_xs stages: a block's shared memory holds only its
     split's chunk_meta entries (quant_matmul.cu matmul_part_staged)."""
     cls = rows_class(rows)
-    splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[cls] * n_sm, 0)
-    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, cls], layouts, biases, counters, splits, rows)
+    strips_per_block, splits = small_blocks(layouts, rows, n_sm)
+    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, cls], layouts, biases, counters, splits, rows, strips_per_block)
     p = plan.params.copy()
     p["xs_stride"] = p["meta_smem"] = p["corr_smem"] = 0
     chunks = max(int(np.diff(p["part"]["split_chunk"][i, :n + 1]).max()) for i, n in enumerate(splits))
@@ -478,7 +512,7 @@ def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tup
 
 
 def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
-    splits = choose_splits([layout], 1, DEQUANT_RESIDENT * n_sm, 0)
+    splits = choose_splits([layout], 1, n_sm, DEQUANT_RESIDENT, 0)
     return make_plan(DEQUANT_KERNELS[layout.fmt], [layout], [None], [None], splits, 0)
 
 
@@ -564,7 +598,7 @@ class QuantMatmul:
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
             xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
-            launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
+            launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
                    args=(self.args[rows], self._stage(xs, rows, before), *outs, *nulls,
                          self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
@@ -676,13 +710,13 @@ class ExpertMatmul:
         self.tables, self.smem, self.blocks, self.max_splits = {}, {}, {}, {}
         for rows in (1, ROWS_PER_PASS):
             rows_class = 1 if rows == 1 else 16
-            slots = max(1, RESIDENT_BLOCKS[rows_class] * n_sm // active)
+            slots = max(1, RESIDENT_BLOCKS[rows_class] * n_sm // active)    # (planned as SMs of one block each)
             splits_of: dict[tuple, list[int]] = {}     # experts with equal widths share a plan
             plans = []
             for lays in experts:
                 key = tuple(tuple(lay.chunk_bits) for lay in lays)
                 if key not in splits_of:
-                    splits_of[key] = choose_splits(lays, rows, slots, rows)
+                    splits_of[key] = choose_splits(lays, rows, slots, 1, rows)
                 plans.append(make_plan(MOE_KERNELS[self.fmt, rows_class], lays, [None] * len(lays),
                                        [None] * len(lays), splits_of[key], rows))
             params = np.stack([plan.params for plan in plans])

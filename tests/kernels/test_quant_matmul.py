@@ -174,16 +174,26 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
         words = [32 * sum(lay.chunk_bits[:c]) for c in range(len(lay.chunk_bits) + 1)]
         assert part["run_word"].tolist() == [words[c] for c in lay.run_start[:-1]]
         assert part["split_word"][:n + 1].tolist() == [words[c] for c in part["split_chunk"][:n + 1]]
-        assert int(part["block0"]) == block0 and int(part["col_blocks"]) == -(-lay.strips // qm.WARPS)
+        assert int(part["block0"]) == block0 and int(part["col_blocks"]) == -(-lay.strips // (plan.threads // 32))
         assert int(part["ws_offset"]) == ws and int(part["qw"]) == lay.words.data_ptr()
         block0 += int(part["col_blocks"]) * n
         ws += n * rows * lay.np_ if n > 1 else 0
     assert plan.blocks == block0 and plan.ws_floats == ws
 
 
+def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short():
+    """The 8B shape's gate/up (2 x 448 strips of 128 4-bit chunks, 2 splits): 224 blocks of 8 strips on 264 slots
+    leave 40 SMs with one block; 256 of 7 strips fill it. q/k/v (4096 x (4096, 1024, 1024)) fills it with 8."""
+    def lay(n):
+        return SimpleNamespace(strips=n // 32, chunk_bits=[4] * 128)
+    assert qm.small_blocks([lay(14336), lay(14336)], 1, 132) == (7, [2, 2])
+    spb, splits = qm.small_blocks([lay(4096), lay(1024), lay(1024)], 1, 132)
+    assert spb == 8 and sum(-(-s // 8) * n for s, n in zip((128, 32, 32), splits)) <= 264
+
+
 def test_planner_prefers_one_full_wave():
     lay = qm.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
-    assert qm.choose_splits([lay], 1, 3 * 132, 1) == [24]      # 16 column blocks: 384 of 396 slots, not 400
+    assert qm.choose_splits([lay], 1, 132, 3, 1) == [24]       # 16 column blocks: 384 of 396 slots, not 400
 
 
 def gemm_warp_tiles(rows: int, shape: tuple[int, int]) -> list[list[int]]:
@@ -428,7 +438,7 @@ def test_exl2_matmul_gathers_x_in_several_rounds():
     w = synthetic.random_exl2(8224, 17408, "0.05:8b_32g/0.95:4b_128g", seed=5)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     lay = qm.exl2_layout(w)
-    splits = qm.choose_splits([lay], 1, qm.RESIDENT_BLOCKS[1] * n_sm, 1)[0]
+    splits = qm.choose_splits([lay], 1, n_sm, qm.RESIDENT_BLOCKS[1], 1)[0]
     assert 32 * len(lay.chunk_bits) / splits > 2048, splits
     check_matmul(w, 1, bias=False)
 
@@ -478,6 +488,26 @@ def test_forward_replays_in_a_cuda_graph(m):
         graph.replay()
         assert torch.equal(y, f(x))           # deterministic split-K: graph and eager agree bit for bit
     assert not torch.equal(y, eager)
+
+
+@on_gpu
+@pytest.mark.parametrize("strips_per_block", [7, 5])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_small_m_blocks_of_fewer_strips(strips_per_block, m, monkeypatch):
+    """Small-M launches of blocks with fewer than 8 strips (as small_blocks picks for gate/up-like shapes), fused
+    parts whose strip counts are not multiples of the block's, against the reference."""
+    monkeypatch.setattr(qm, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
+    k = 4128
+    weights = [synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=m),
+               synthetic.random_exl2(k, 300, "0.1:3b_64g/0.9:2b_64g", seed=m + 1)]
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in weights])
+    assert f.plans[m].threads == 32 * strips_per_block
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    for _ in range(2):                       # twice: split-K counters must reset themselves
+        poison_allocator()
+        for w, y in zip(weights, f.forward(x.cuda())):
+            ref = x.float() @ w.dequantize().float().T
+            assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < 2e-3
 
 
 @on_gpu
