@@ -560,7 +560,7 @@ class QuantMatmul:
         if up is None:
             ys = self._path(x.shape[0])(x)
         else:
-            ys = self._small(x, (up.reshape(x.shape).contiguous(), None, None, None, 0.0))
+            ys = self._small(x, (up.reshape(x.shape).contiguous(), *PLAIN[1:]))
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
 
     def forward_normed(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
@@ -592,6 +592,8 @@ class QuantMatmul:
         """Passes of ROWS_PER_PASS rows of x. before: what stage_xs applies to x as it stages it (PLAIN: nothing),
         for x of at most ROWS_PER_PASS rows (one pass)."""
         m = x.shape[0]
+        if before is not PLAIN and m > ROWS_PER_PASS:     # (its tensors cover the first pass only)
+            raise ValueError(f"stage_xs applies an op to at most {ROWS_PER_PASS} rows of x in one pass, got {m}")
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))
         for m0 in range(0, m, ROWS_PER_PASS):
