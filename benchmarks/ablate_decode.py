@@ -23,11 +23,15 @@ from exl_backends.kernels import quant_matmul  # noqa: E402
 QM = quant_matmul.QuantMatmul
 
 
-def _no_matmul(self, x):
+def _no_matmul(self, x, up=None):
     return [torch.empty(*x.shape[:-1], lay.n, dtype=x.dtype, device=x.device) for lay in self.layouts]
 
 
-def _no_stage(self, x, rows):
+def _no_matmul_normed(self, h, residual, w, eps):
+    return _no_matmul(self, h), h
+
+
+def _no_stage(self, x, rows, before):
     cls = quant_matmul.rows_class(rows)
     if cls not in self.staged:          # QuantMatmul._stage's buffer: x rows per part, then float2 corrections
         self.staged[cls] = torch.zeros(len(self.layouts) * cls * (self.k + (self.k // 32) * 4), dtype=torch.float16,
@@ -37,28 +41,27 @@ def _no_stage(self, x, rows):
 
 OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-free stand-in
     "attention": dict(paged_attention=lambda q, *a, **k: torch.empty_like(q)),
-    "add_rmsnorm": dict(add_rmsnorm=lambda x, residual, w, eps: (x, residual)),
     "rope_kv_write": dict(rope_write=lambda q, *a: q),
-    "silu_mul": dict(silu_mul=lambda gate, up: gate),
-}
-CLASS_LEFT_OUT = {"stage_xs": ("_stage", _no_stage), "matmul": ("forward", _no_matmul)}
+}   # (add_rmsnorm in front of q/k/v and gate/up, and silu_mul: applied by the stage_xs of the matmul after them)
+CLASS_LEFT_OUT = {"stage_xs": {"_stage": _no_stage},      # family -> QuantMatmul's methods replaced
+                  "matmul": {"forward": _no_matmul, "forward_normed": _no_matmul_normed}}
 
 
 @contextlib.contextmanager
 def left_out(model, families: list[str]):
     ops = model.ops
-    patched = [(QM, CLASS_LEFT_OUT[f][0], getattr(QM, CLASS_LEFT_OUT[f][0])) for f in families if f in CLASS_LEFT_OUT]
-    for f in families:
-        if f in CLASS_LEFT_OUT:
-            setattr(QM, *CLASS_LEFT_OUT[f])
+    methods = {name: fn for f in families for name, fn in CLASS_LEFT_OUT.get(f, {}).items()}
+    patched = {name: getattr(QM, name) for name in methods}
+    for name, fn in methods.items():
+        setattr(QM, name, fn)
     fields = {k: v for f in families for k, v in OPS_LEFT_OUT.get(f, {}).items()}
     model.ops = dataclasses.replace(ops, **fields)
     try:
         yield
     finally:
         model.ops = ops
-        for cls, name, fn in patched:
-            setattr(cls, name, fn)
+        for name, fn in patched.items():
+            setattr(QM, name, fn)
 
 
 def main() -> None:

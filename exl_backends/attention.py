@@ -25,13 +25,14 @@ class Attention:
                         if value is not None}
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
-        return self.o(self.attend(self.project(x, batch.slots, cache, cos, sin, ops), batch, cache, ops))
+        return self.o(self.attend(self.project(self.qkv(x), batch.slots, cache, cos, sin, ops), batch, cache, ops))
 
-    def project(self, x: Tensor, slots: Tensor, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
-        """x [T, D] -> the roped queries [T, H, Dh]; the roped keys and the values written into cache at slots.
-        Row by row (a CUDA graph of many tokens captures it; attend, which mixes rows, runs between such graphs)."""
-        t = x.shape[0]
-        q, k, v = self.qkv(x)
+    def project(self, qkv: list[Tensor], slots: Tensor, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
+        """The outputs of self.qkv [T, *] -> the roped queries [T, H, Dh]; the roped keys and the values written
+        into cache at slots. Row by row (a CUDA graph of many tokens captures it; attend, which mixes rows, runs
+        between such graphs)."""
+        q, k, v = qkv
+        t = q.shape[0]
         q = q.view(t, self.n_heads, self.head_dim)                         # [T, H, Dh]
         k = k.view(t, self.n_kv_heads, self.head_dim)                      # [T, Hkv, Dh]
         v = v.view(t, self.n_kv_heads, self.head_dim)

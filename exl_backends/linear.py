@@ -101,3 +101,11 @@ class FusedLinear:
         if self.kernel is not None:
             return self.kernel.forward(x)
         return [layer(x) for layer in self.layers]
+
+    def after_norm(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float, ops) -> tuple[list[Tensor], Tensor]:
+        """(self(x), r) for the block's norm in front of these layers: x, r = ops.norm_residual(h, residual, w, eps).
+        A fused quantized launch on CUDA normalises x as it stages it (QuantMatmul.forward_normed)."""
+        if self.kernel is not None:
+            return self.kernel.forward_normed(h, residual, w, eps)
+        x, residual = ops.norm_residual(h, residual, w, eps)
+        return self(x), residual

@@ -18,7 +18,19 @@ class Mlp:
         self.gate_up = FusedLinear([gate, up])          # one launch on CUDA for quantized gate/up
 
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
-        return self.down(ops.gated(self.activation)(*self.gate_up(x)))
+        return self._down(*self.gate_up(x), ops)
+
+    def after_norm(self, h: Tensor, residual: Tensor, w: Tensor, eps: float, ops: Ops) -> tuple[Tensor, Tensor]:
+        """(self(x), r) for x, r = ops.norm_residual(h, residual, w, eps): on CUDA the norm and the activation run
+        inside the gate/up and down launches (FusedLinear.after_norm)."""
+        (gate, up), residual = self.gate_up.after_norm(h, residual, w, eps, ops)
+        return self._down(gate, up, ops), residual
+
+    def _down(self, gate: Tensor, up: Tensor, ops: Ops) -> Tensor:
+        kernel = getattr(self.down, "kernel", None)
+        if kernel is not None and self.activation is Activation.SILU:
+            return kernel(gate, up)         # applies silu(gate) * up as it stages its input: one launch less
+        return self.down(ops.gated(self.activation)(gate, up))
 
 
 class Experts(Sequence):
@@ -50,3 +62,8 @@ class MoeMlp:
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
         experts = Experts(self.experts, ops, self.kernel)
         return ops.moe(x, self.router(x), experts, self.top_k, self.renormalize)   # router(x): [T, E]
+
+    def after_norm(self, h: Tensor, residual: Tensor, w: Tensor, eps: float, ops: Ops) -> tuple[Tensor, Tensor]:
+        """(self(x), r) for x, r = ops.norm_residual(h, residual, w, eps) (the router reads x too)."""
+        x, residual = ops.norm_residual(h, residual, w, eps)
+        return self(x, ops), residual

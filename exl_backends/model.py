@@ -100,9 +100,6 @@ class Model:
         # Gemma: sqrt(hidden_size), rounded to the compute dtype as transformers rounds it
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device) \
             if config.traits.scale_embeddings else None
-        # the norm after block i (the next block's input norm, or the final one), on block i's device
-        self.next_norms = [(blocks[i + 1].input_norm if i + 1 < len(blocks) else norm).to(d)
-                           for i, d in enumerate(self.block_devices)]
 
     def _ropes(self, device: torch.device) -> tuple[Rope, Rope | None]:
         if device == self.device:
@@ -145,20 +142,22 @@ class Model:
 
     def stage_forward(self, k: int, batch: Batch, cache: KVCache, carry: tuple[Tensor, Tensor] | None):
         """Stage k's blocks, on its device (the current one; batch there too), from the embedding (k = 0) or from
-        the stage before's (normed x, residual), moved here at a device boundary. Returns (x, residual) for the
-        next stage, or after the last one the f32 logits [R, vocab] for batch.logit_rows (None: every row)."""
+        the stage before's (h, residual), moved here at a device boundary. Between blocks the stream is carried as
+        (h, residual): the last block's output and the residual before it, which the next block's input norm adds
+        (so that its q/k/v launch can apply that norm: FusedLinear.after_norm). Returns (h, residual) for the next
+        stage, or after the last one the f32 logits [R, vocab] for batch.logit_rows (None: every row)."""
         stage = self.stages[k]
         ropes = self.cos_sin(batch, stage.device)
         if carry is None:
-            x, residual = self.embed_tokens(batch.input_ids)
+            h, residual = self.embed_tokens(batch.input_ids)
         else:
-            x, residual = (t.to(stage.device) for t in carry)
+            h, residual = (t.to(stage.device) for t in carry)
         for i in stage.layers:
-            q = self.project(i, x, batch.slots, cache, ropes)
-            x, residual = self.after_attention(i, self.blocks[i].attention.attend(q, batch, cache, self.ops), residual)
+            q, residual = self.project(i, h, residual, batch.slots, cache, ropes)
+            h, residual = self.after_attention(i, self.blocks[i].attention.attend(q, batch, cache, self.ops), residual)
         if k + 1 < len(self.stages):
-            return x, residual
-        return self.logits(x, batch)
+            return h, residual
+        return self.logits(h, residual, batch)
 
     def cos_sin(self, batch: Batch, device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
         """The rope tables of the batch's positions on a stage's device, by Block.local_rope."""
@@ -168,35 +167,41 @@ class Model:
             ropes[True] = local.cos_sin(batch, self.ops, self.dtype)
         return ropes
 
-    def embed_tokens(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(the first block's normed input, the residual stream) [T, D] each."""
-        residual = self.ops.embedding(input_ids, self.embed)
+    def embed_tokens(self, input_ids: Tensor) -> tuple[Tensor, None]:
+        """(h, residual) in front of the first block: the embedding [T, D], and no residual yet."""
+        h = self.ops.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
-            residual = residual * self.embed_scale
-        return self.ops.rmsnorm(residual, self.blocks[0].input_norm, self.config.rms_norm_eps), residual
+            h = h * self.embed_scale
+        return h, None
 
-    def project(self, i: int, x: Tensor, slots: Tensor, cache: KVCache, ropes: dict[bool, tuple[Tensor, Tensor]]):
-        """Block i up to its attention: the roped queries [T, H, Dh]; keys and values written into cache at slots."""
+    def project(self, i: int, h: Tensor, residual: Tensor | None, slots: Tensor, cache: KVCache,
+                ropes: dict[bool, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Block i up to its attention, from the stream (h, residual): (the roped queries [T, H, Dh], the residual
+        with h added); keys and values written into cache at slots."""
         block = self.blocks[i]
-        return block.attention.project(x, slots, cache, *ropes[block.local_rope], self.ops)
+        qkv, residual = block.attention.qkv.after_norm(h, residual, block.input_norm, self.config.rms_norm_eps,
+                                                       self.ops)
+        return block.attention.project(qkv, slots, cache, *ropes[block.local_rope], self.ops), residual
 
     def after_attention(self, i: int, attn: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """Block i from its attention output [T, H * Dh] on: (the next norm of the residual, the residual). Row by
-        row: no row depends on another."""
+        """Block i from its attention output [T, H * Dh] on: the stream (h, residual) after it, h the MLP's output.
+        Row by row: no row depends on another."""
         ops, eps, block = self.ops, self.config.rms_norm_eps, self.blocks[i]
         a = block.attention.o(attn)
         if block.attn_out_norm is not None:
             a = ops.rmsnorm(a, block.attn_out_norm, eps)
-        x, residual = ops.add_rmsnorm(a, residual, block.post_attn_norm, eps)
-        m = block.mlp(x, ops)
+        m, residual = block.mlp.after_norm(a, residual, block.post_attn_norm, eps, ops)
         if block.mlp_out_norm is not None:
             m = ops.rmsnorm(m, block.mlp_out_norm, eps)
-        return ops.add_rmsnorm(m, residual, self.next_norms[i], eps)
+        return m, residual
 
-    def logits(self, x: Tensor, batch: Batch) -> Tensor:
-        """f32 logits [R, vocab] of the final-normed x [T, D], for batch.logit_rows (None: every row)."""
+    def logits(self, h: Tensor, residual: Tensor | None, batch: Batch) -> Tensor:
+        """f32 logits [R, vocab] of the stream (h, residual) [T, D] after the final norm, for batch.logit_rows
+        (None: every row)."""
         if batch.logit_rows is not None:
-            x = x[batch.logit_rows]
+            h = h[batch.logit_rows]
+            residual = None if residual is None else residual[batch.logit_rows]
+        x, _ = self.ops.norm_residual(h, residual, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head(x).float()
         if self.config.final_softcap is not None:
             logits = self.ops.softcap(logits, self.config.final_softcap)

@@ -34,6 +34,13 @@ class Ops:
     moe: Callable | None = None                 # Mixtral / Qwen3-MoE: routed experts (reference.moe)
     attention_options: frozenset[str] = frozenset()   # paged_attention's optional keywords: "window", "softcap"
 
+    def norm_residual(self, h, residual, w, eps: float):
+        """(rmsnorm(r) * w, r) for the residual stream r = residual + h, or r = h where the stream starts (residual
+        None: the first block's input)."""
+        if residual is None:
+            return self.rmsnorm(h, w, eps), h
+        return self.add_rmsnorm(h, residual, w, eps)
+
     def gated(self, activation: Activation) -> Callable:
         """The gated-MLP op act(gate) * up for an activation."""
         return {Activation.SILU: self.silu_mul, Activation.GELU_TANH: self.gelu_tanh_mul}[activation]

@@ -216,9 +216,10 @@ class DecodeGraphs:
 class PrefillGraphs:
     """Steps that no decode graph serves, of up to TOKEN_SIZES[-1] tokens, padded up to the next size of
     TOKEN_SIZES, as n_layers + 1 graphs per size between the blocks' attention calls: piece 0 from the embedding to
-    block 0's queries, piece i from block i-1's attention output to block i's queries, the last one to the final
-    norm. Every op in them works row by row, so any batch fits; attention (which mixes rows and reads the batch's
-    lengths on the host) and the head on the wanted rows run eagerly, on the graphs' static buffers. Padding rows
+    block 0's queries, piece i from block i-1's attention output to block i's queries, the last one to the last
+    block's output. Every op in them works row by row, so any batch fits; attention (which mixes rows and reads the
+    batch's lengths on the host) and the final norm and head on the wanted rows run eagerly, on the graphs' static
+    buffers. Padding rows
     write their K/V to the trash page. The static buffers are shared by all sizes (only one step runs at a time).
     Not for layer splits, tensor parallelism or MoE models (routing many tokens reads the host). On the CPU the
     pieces run eagerly on the same buffers (a stand-in for tests)."""
@@ -232,7 +233,7 @@ class PrefillGraphs:
         self.q = torch.zeros(n, c.n_heads, c.head_dim, dtype=model.dtype, device=dev)
         self.attn = torch.zeros(n, c.n_heads * c.head_dim, dtype=model.dtype, device=dev)
         self.residual = torch.zeros(n, c.hidden_size, dtype=model.dtype, device=dev)
-        self.x = torch.zeros_like(self.residual)
+        self.h = torch.zeros_like(self.residual)
         self.ropes: dict[bool, tuple[Tensor, Tensor]] = {}      # static cos/sin, shaped by the first batch
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
 
@@ -259,7 +260,7 @@ class PrefillGraphs:
             self._replay(i, size)
             self.attn[:t].copy_(block.attention.attend(self.q[:t], batch, self.cache, m.ops))
         self._replay(len(m.blocks), size)
-        return m.logits(self.x[:t], batch)
+        return m.logits(self.h[:t], self.residual[:t], batch)
 
     def _replay(self, i: int, size: int) -> None:
         if size in self.graphs:
@@ -271,14 +272,16 @@ class PrefillGraphs:
         """Piece i of a step of n rows, on the static buffers."""
         m = self.model
         if i == 0:
-            x, residual = m.embed_tokens(self.ids[:n])
+            h, residual = m.embed_tokens(self.ids[:n])
         else:
-            x, residual = m.after_attention(i - 1, self.attn[:n], self.residual[:n])
+            h, residual = m.after_attention(i - 1, self.attn[:n], self.residual[:n])
         if i == len(m.blocks):
-            self.x[:n].copy_(x)
+            self.h[:n].copy_(h)
+            self.residual[:n].copy_(residual)
             return
         ropes = {local: (cos[:n], sin[:n]) for local, (cos, sin) in self.ropes.items()}
-        self.q[:n].copy_(m.project(i, x, self.slots[:n], self.cache, ropes))
+        q, residual = m.project(i, h, residual, self.slots[:n], self.cache, ropes)
+        self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 
     def _capture(self, size: int) -> list[torch.cuda.CUDAGraph]:

@@ -24,7 +24,7 @@ struct __align__(2 * VEC) Pack {
 };
 
 struct Silu {
-    __device__ __forceinline__ static float apply(float x) { return __fdiv_rn(x, __fadd_rn(1.f, __expf(-x))); }
+    __device__ __forceinline__ static float apply(float x) { return exl::silu(x); }
 };
 
 struct GeluTanh {

@@ -6,7 +6,8 @@
 // cache slot block_tables[b][t / page_size] * page_size + t % page_size. The row's keys are read from
 // t_lo = t_first rounded down to 32 on: pages wholly before the window are never read, and the few keys of the
 // first tile below t_first are masked. The grid is fixed by (rows, n_splits): each row's range [t_lo, n_keys) is
-// cut on the device into splits of split_len = max(MIN_SPLIT, roundup(ceil((n_keys - t_lo) / n_splits), 32)) keys,
+// cut on the device into splits of split_len = max(MIN_SPLIT, roundup(ceil((n_keys - t_lo) / n_splits), 32)) keys
+// (one split when n_keys - t_lo <= ONE_SPLIT),
 // so nothing is read on the host and the launch can be captured in a CUDA graph; splits past the keys exit at once.
 // A row whose keys fit one split is finished by its one block. Otherwise each block writes its partial softmax
 // state (max, sum, unnormalised sum of V) and the last block of the row to finish (an atomic counter per (row, head
@@ -58,12 +59,16 @@ constexpr int WARPS = 8;                // warps per block
 constexpr int THREADS = WARPS * 32;
 constexpr int HEADS = 8;                // query heads per block: the n of the mma
 constexpr int MIN_SPLIT = 256;          // keys: one round of 32-key tiles for the 8 warps (head_dim 256: two)
+constexpr int ONE_SPLIT = 2 * MIN_SPLIT;   // rows with at most this many keys take one block: a second round of
+                                           // tiles costs less than writing, counting and merging split partials
 constexpr int ALIGN = 32;               // split lengths are whole 32-key tiles; pages are multiples of 32
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// Keys per split of a row with n_keys keys: an equal share, rounded up to whole 32-key tiles, at least MIN_SPLIT.
+// Keys per split of a row with n_keys keys: an equal share, rounded up to whole 32-key tiles, at least MIN_SPLIT;
+// all of them up to ONE_SPLIT.
 __device__ __forceinline__ int split_length(int n_keys, int n_splits) {
+    if (n_keys <= ONE_SPLIT) return (n_keys + ALIGN - 1) & ~(ALIGN - 1);
     return max(MIN_SPLIT, ((n_keys + n_splits - 1) / n_splits + ALIGN - 1) & ~(ALIGN - 1));
 }
 
@@ -632,7 +637,7 @@ PAGED_DECODE(q8, 128, 8, 8, 32, 1)
 PAGED_DECODE(q6, 64, 8, 4, 32, 2)
 PAGED_DECODE(q6, 128, 8, 4, 32, 1)
 PAGED_DECODE(q4, 64, 4, 4, 32, 2)
-PAGED_DECODE(q4, 128, 4, 4, 64, 1)
+PAGED_DECODE(q4, 128, 4, 4, 32, 2)   // 2 blocks of 32-key tiles (40 bytes of spills) vs 1 of 64: NOTES-attention
 PAGED_DECODE(fp16, 256, 16, 16, 32, 1)
 PAGED_DECODE(q8, 256, 8, 8, 32, 1)
 PAGED_DECODE(q6, 256, 8, 4, 32, 1)

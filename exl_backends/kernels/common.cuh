@@ -45,6 +45,10 @@ __device__ __forceinline__ float tanh_accurate(float x)
     return copysignf(__fdiv_rn(t, __fadd_rn(t, 2.f)), x);
 }
 
+// silu(x) = x / (1 + e^-x) with explicit roundings, so that it is the same whether or not a family is compiled with
+// fast math (activation.cu's silu_mul, and quant_matmul.cu's stage_xs, which applies it as it stages x).
+__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.f, __expf(-x))); }
+
 // ------------------------------------------------------------------------------------------- fp16 bit patterns
 
 // fp16 bits of an integer with |v| <= 2048 (exact).

@@ -8,23 +8,13 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "norm.cuh"
 
 namespace {
 
-constexpr unsigned FULL_MASK = 0xffffffffu;
-constexpr int THREADS = 256;
-
-__device__ __forceinline__ float block_sum(float x) {
-    __shared__ float partial[THREADS / 32];
-#pragma unroll
-    for (int span = 16; span >= 1; span >>= 1) x += __shfl_xor_sync(FULL_MASK, x, span);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = x;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; w++) total += partial[w];
-    return total;
-}
+using exl::block_sum;
+using exl::inverse_rms;
+constexpr int THREADS = exl::NORM_THREADS;
 
 template <int VEC>
 struct __align__(2 * VEC) Pack {
@@ -41,28 +31,12 @@ __device__ __forceinline__ void store(half* p, const Pack<VEC>& v) {
     *reinterpret_cast<Pack<VEC>*>(p) = v;
 }
 
-// out = fp16(w * fp16(r * inv_rms)); r is this thread's VEC elements.
 template <int VEC>
 __device__ __forceinline__ Pack<VEC> normalise(const Pack<VEC>& r, const Pack<VEC>& w, float inv_rms) {
     Pack<VEC> y;
 #pragma unroll
-    for (int i = 0; i < VEC; i++) {
-        const half n = __float2half_rn(__fmul_rn(__half2float(r.h[i]), inv_rms));
-        y.h[i] = __float2half_rn(__fmul_rn(__half2float(w.h[i]), __half2float(n)));
-    }
+    for (int i = 0; i < VEC; i++) y.h[i] = exl::normalise(r.h[i], w.h[i], inv_rms);
     return y;
-}
-
-__device__ __forceinline__ float inverse_rms(float sum_sq, int dim, float eps) {
-    return __frsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, (float)dim), eps));
-}
-
-template <int VEC>
-__device__ __forceinline__ float sum_squares(const Pack<VEC>& r) {
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < VEC; j++) s += __half2float(r.h[j]) * __half2float(r.h[j]);
-    return s;
 }
 
 // rmsnorm (RESIDUAL false: r = x) or add_rmsnorm (r = fp16(x + residual), written to new_residual) of row blockIdx.x.
@@ -88,11 +62,10 @@ __device__ __forceinline__ void norm_row(const half* __restrict__ x, const half*
         if (i < dim) {
             if constexpr (RESIDUAL) {
 #pragma unroll
-                for (int j = 0; j < VEC; j++)
-                    r[k].h[j] = __float2half_rn(__fadd_rn(__half2float(r[k].h[j]), __half2float(b[k].h[j])));
+                for (int j = 0; j < VEC; j++) r[k].h[j] = exl::add_residual(r[k].h[j], b[k].h[j]);
                 store<VEC>(new_residual + base + i, r[k]);
             }
-            sum_sq += sum_squares<VEC>(r[k]);
+            sum_sq += exl::sum_squares<VEC>(r[k].h);
         }
     }
     const float inv_rms = inverse_rms(block_sum(sum_sq), dim, eps);

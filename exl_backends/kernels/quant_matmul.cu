@@ -32,24 +32,25 @@
 //   knows its weights' addresses without a dependent load). It describes up to MAX_PARTS weights ("parts") that
 //   share x and K (q/k/v, gate/up: one launch), each with its own layout, group tables, permutation, bias, output
 //   and plan: blocks part.block0 .. + col_blocks * n_splits, block b of a part covering strips
-//   8 (b % col_blocks) .. + 7 and chunks split_chunk[s] .. split_chunk[s + 1] with s = b / col_blocks.
+//   S (b % col_blocks) .. + S - 1 (S strips per block: 8, or blockDim.x / 32 for the small-M kernels) and chunks
+//   split_chunk[s] .. split_chunk[s + 1] with s = b / col_blocks.
 //   quant_matmul.PARAMS_DTYPE mirrors the struct (a host test compares their offsets).
 //
 // MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
-//   stage_xs writes x once per launch as the matmul reads it: each part's R = 1, 8 or 16 rows (rows past M repeat
-//   row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's corrections per row (float2
-//   (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block 256 = 8 warps, dynamic
-//   shared memory: the split's chunk_meta entries. The launcher sizes the grid to one wave of resident blocks where
-//   it can. A warp first prefetches into L2 the start of its weight span (PREFETCH_BYTES) and all group records of
-//   its range, and the block stages its chunk_meta entries: all from the parameters, so this overlaps the kernel
-//   before (dependent launch, common.cuh). After pdl_wait, warp w walks the chunks of strip 8bx + w in batches (each
-//   batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are in flight without holding
-//   registers), loading with each chunk's words its B fragments of x and its corrections (L2): per chunk each lane
-//   decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with
-//   A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the current group. At each
-//   group change the partial (minus the FOLDED corrections) is scaled by the group's per-column scale (fp32) and
-//   added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the fp32 rounding
-//   of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   stage_xs writes x (or the gated MLP's silu(x) * up) once per launch as the matmul reads it: each part's R = 1, 8 or
+//   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's
+//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block
+//   S = 8 or 7 warps, one a strip, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid
+//   to one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
+//   (PREFETCH_BYTES) and all group records of its range, and the block stages its chunk_meta entries: all from the
+//   parameters, so this overlaps the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the
+//   chunks of strip S bx + w in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are
+//   in flight without holding registers), loading with each chunk's words its B fragments of x and its corrections
+//   (L2): per chunk each lane decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and
+//   issues m16n8k16 MMAs with A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the
+//   current group. At each group change the partial (minus the FOLDED corrections) is scaled by the group's per-column
+//   scale (fp32) and added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the
+//   fp32 rounding of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
 //   (NOTES-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
 //   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
 //   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
@@ -85,6 +86,7 @@
 //   strip over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference), stages each
 //   32 x 32 tile in shared memory and writes its rows to w_out[perm[k']][strip cols] (row stride Np).
 #include "common.cuh"
+#include "norm.cuh"
 
 namespace qmm {
 
@@ -290,6 +292,9 @@ EXL_HD unsigned zero_pair(unsigned zeros, int j) { return byte_perm(zeros, 0x646
 // EXL2: zero point 2^(B-1); per-column scale fp16((c+1)^2 * m) from a 4-bit code c and the group's base m.
 struct Exl2 {
     static constexpr int REC0 = 16, REC1 = 0;    // bytes of a (strip, group) record in meta0, meta1
+    // the staged M8 kernel loads the next batch before consuming this one, as M1 does: 3-5 % faster, no spills
+    // (GPTQ's larger records spill 264 bytes so, and ran up to 1.7x slower: NOTES-matmul.md v14)
+    static constexpr bool PIPELINED_M8 = true;
     struct Cursor { const unsigned* codes; };    // the lane's word of group 0's record
     struct Raw { unsigned codes, base; };
     struct State { half2 scale[2]; };            // (col(0), col(1)), (col(2), col(3))
@@ -337,6 +342,7 @@ struct Exl2 {
 // GPTQ: zero point and fp16 scale per (group, column), read as given (v1/v2 already resolved by prepare()).
 struct Gptq {
     static constexpr int REC0 = 64, REC1 = 32;
+    static constexpr bool PIPELINED_M8 = false;
     struct Cursor { const uint2* scales; const unsigned* zeros; };     // the lane's entries of group 0
     struct Raw { uint2 scales; unsigned zeros; };
     struct State { half2 scale[2]; half2 bias[4][5]; };    // bias[j][i / B] = -(1024 * 2^-i + z_j)
@@ -537,7 +543,7 @@ __device__ __forceinline__ void walk(const Part& pt, int strip, int split, const
 // chunk_meta[c0..c1) into shared memory (every thread of the block takes part).
 __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta, int c0, int c1)
 {
-    for (int c = c0 + (int)threadIdx.x; c < c1; c += THREADS) meta_s[c - c0] = __ldg(chunk_meta + c);
+    for (int c = c0 + (int)threadIdx.x; c < c1; c += blockDim.x) meta_s[c - c0] = __ldg(chunk_meta + c);
 }
 
 // ------------------------------------------------------------------------------------------- matmul
@@ -560,7 +566,7 @@ struct XChunk {
 // from the block's shared memory (MoE stages them per block).
 template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
-    static constexpr bool PIPELINE = M1;       // (M8 too: EXL2 2-3 % faster, GPTQ spills: NOTES-matmul.md v14)
+    static constexpr bool PIPELINE = M1 || (N8 == 1 && GX && Fmt::PIPELINED_M8);
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
     static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
     using Extra = typename Pick<GX, XChunk<N8, M1>, NoExtra::Extra>::T;
@@ -896,7 +902,8 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
 
 // Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
 // corrections [K / 32][ROWS]): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once
-// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait).
+// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait). A block has one
+// warp per strip, 8 or fewer (blockDim.x / 32: the launcher picks the count that fills the wave best).
 template <class Fmt, int N8, bool M1>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters)
@@ -904,7 +911,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * (blockDim.x / 32) + warp;
     Stream st;
     if (strip < pt.strips) {
         start_stream(st, pt, strip, split, lane);
@@ -940,20 +947,68 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
                                     ws ? ws + pt.ws_offset : ws, pt.counters);
 }
 
+// The add_rmsnorm of the block's row of x (row: its offset in x), as norm.cu computes it (norm.cuh): r = fp16(x +
+// residual) (residual null: r = x), then fp16(w * fp16(r * inv_rms)) at the lane's src, w = the norm weight there.
+// r is kept in shared memory (K halves, dynamic; x and residual 16-byte aligned, K % 8 == 0: the launcher checks);
+// a writer block (part 0, blockIdx.z < M) writes its 256 elements of r, 256 blockIdx.x on, to new_residual. Every
+// thread of the block calls it (block_sum's barrier, which also publishes r).
+__device__ __forceinline__ half stage_norm(const half* x, const half* residual, half w, half* new_residual, int K,
+                                           size_t row, int src, float eps, bool writer)
+{
+    static_assert(THREADS == NORM_THREADS, "norm.cuh sums a row over NORM_THREADS threads");
+    extern __shared__ __align__(16) half r_s[];
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+        uint4 xv = *reinterpret_cast<const uint4*>(x + row + i);
+        half* r = reinterpret_cast<half*>(&xv);
+        if (residual) {
+            const uint4 bv = *reinterpret_cast<const uint4*>(residual + row + i);
+            const half* b = reinterpret_cast<const half*>(&bv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) r[j] = add_residual(r[j], b[j]);
+        }
+        *reinterpret_cast<uint4*>(r_s + i) = xv;
+        sum_sq += sum_squares<8>(r);
+    }
+    const float inv_rms = inverse_rms(block_sum(sum_sq), K, eps);
+    const int e = blockIdx.x * THREADS + threadIdx.x;
+    if (writer && residual && e < K) new_residual[row + e] = r_s[e];
+    return normalise(r_s[src], w, inv_rms);
+}
+
 // x [M, K] for the small-M launch of p, R = gridDim.z staged rows (1, 8 or 16; row m >= M repeats row M - 1):
 // chunk c = blockIdx.x * WARPS + warp of part blockIdx.y and row m = blockIdx.z, by one warp, lane r taking stored
 // row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
-// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order).
-__device__ __forceinline__ void stage_xs(const Params& p, const half* x, half* xs)
+// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). What is staged
+// in place of x, so that the op before needs no launch of its own:
+//  - up non-null ([M, K] like x): the gated MLP's fp16(fp16(silu(x)) * up), rounded as activation.cu's silu_mul;
+//  - norm_w non-null: the block's add_rmsnorm (residual non-null) or rmsnorm of x with weight norm_w (stage_norm),
+//    the new residual written to new_residual.
+__device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, const half* residual,
+                                         const half* norm_w, half* new_residual, float eps, half* xs)
 {
     const int part = blockIdx.y, c = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int m = blockIdx.z, R = gridDim.z, chunks = p.K / 32;
-    if (part >= p.n_parts || c >= chunks) return;
+    const bool active = c < chunks;                    // (the grid's y is n_parts)
+    if (!active && !norm_w) return;                    // (with a norm, every thread takes part in its barrier)
     const Part& pt = p.part[part];
-    const int k = 32 * c + lane, b = width_at(pt, c);
-    const int src = pt.perm ? __ldg(pt.perm + k) : k;
+    const int k = 32 * c + lane, b = active ? width_at(pt, c) : 0;
+    const int src = !active ? 0 : pt.perm ? __ldg(pt.perm + k) : k;
+    const half w = norm_w ? __ldg(norm_w + src) : half();
     pdl_wait();                                        // x comes from the kernel before
-    const half v = __float2half_rn(__half2float(x[(size_t)min(m, p.M - 1) * p.K + src]) * row_scale(b, lane));
+    const size_t row = (size_t)min(m, p.M - 1) * p.K;
+    half in;
+    if (norm_w) {
+        in = stage_norm(x, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M);
+        if (!active) return;
+    } else {
+        in = x[row + src];
+    }
+    if (up) {
+        const half act = __float2half_rn(silu(__half2float(in)));
+        in = __float2half_rn(__fmul_rn(__half2float(act), __half2float(up[row + src])));
+    }
+    const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
     xs[((size_t)part * R + m) * p.K + k] = v;
     float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
     if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
@@ -1381,13 +1436,14 @@ gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, ha
 }
 
 // grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
-// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x staged for the small-M kernels
-// (qmm::stage_xs).
+// grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x (or silu(x) * up, or the add_rmsnorm of x)
+// staged for the small-M kernels (qmm::stage_xs); dynamic shared memory 2K bytes with norm_w, else none.
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
-stage_xs(const __grid_constant__ qmm::Params p, const half* x, half* xs)
+stage_xs(const __grid_constant__ qmm::Params p, const half* x, const half* up, const half* residual,
+         const half* norm_w, half* new_residual, float eps, half* xs)
 {
     exl::pdl_trigger();
-    qmm::stage_xs(p, x, xs);
+    qmm::stage_xs(p, x, up, residual, norm_w, new_residual, eps, xs);
 }
 
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)

@@ -28,6 +28,7 @@ from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
+from . import activation, norm
 from .loader import launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
@@ -39,6 +40,10 @@ MAX_PARTS = 3                   # weights per launch (quant_matmul.cu MAX_PARTS)
 MAX_SPLITS = 64                 # K splits of one part (quant_matmul.cu MAX_SPLITS)
 
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
+# stage_xs's arguments (up, residual, norm_w, new_residual, eps) that stage x as it is; QuantMatmul.forward and
+# forward_normed pass others, which apply the gated MLP's activation or the block's norm to x as it is staged
+PLAIN = (None, None, None, None, 0.0)
+STAGE_NORM_SMEM = 48 * 1024     # shared memory stage_xs may keep a row in (the default limit, no opt-in)
 # From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
 # A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
 # every count that would need a second pass: 17..32 rows cost two passes against a GEMM roofline of the weight read.
@@ -75,12 +80,19 @@ MAX_SPLIT_ROWS = 256
 GATHER_SPLIT_ROWS = 128
 X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more would need an opt-in per kernel
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
-# The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): DRAM streams
-# BANDWIDTH bytes/s; one warp alone streams at most WARP_RATE (its prefetch distance over the memory latency); each
-# wave of blocks costs WAVE_SECONDS on top (ramp-up, x gather, split-K tail).
+# The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): the SMs share
+# BANDWIDTH bytes/s evenly, so a wave lasts as long as its busiest SM's bytes take (an SM left with fewer blocks
+# idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); one warp alone streams at most
+# WARP_RATE (its prefetch distance over the memory latency); each wave costs WAVE_SECONDS on top (ramp-up, x
+# gather, split-K tail).
 BANDWIDTH = 4.0e12
 WARP_RATE = 3.0e9
 WAVE_SECONDS = 3.0e-6
+# Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
+# of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
+# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, NOTES-matmul.md v10).
+SMALL_STRIPS_PER_BLOCK = (8, 7)
+SMALL_BLOCKS_GAIN = 0.95
 
 
 class Format(Enum):
@@ -320,22 +332,31 @@ def _tile_bytes(starts: list[int], rows: int) -> int:
     return -(-x_tile(starts, rows)[1] // 16) * 16 + 8 * (1 + rows) * max(b - a for a, b in zip(starts, starts[1:]))
 
 
-def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], slots: int) -> float:
-    """The planner's model (BANDWIDTH, WARP_RATE, WAVE_SECONDS above) of a launch's time."""
-    waves = -(-sum(c * s for c, s in zip(col_blocks, splits)) // slots)
-    total = sum(b * c * WARPS for b, c in zip(strip_bytes, col_blocks))
+def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], n_sm: int, per_sm: int,
+                    strips_per_block: int = WARPS) -> float:
+    """The planner's model (BANDWIDTH, WARP_RATE, WAVE_SECONDS above) of a launch's time: per_sm blocks of
+    strips_per_block warps fit on each of n_sm SMs, a warp streams its strip's bytes over its split."""
+    blocks = sum(c * s for c, s in zip(col_blocks, splits))
     warp = max(b / s for b, s in zip(strip_bytes, splits))
-    return waves * WAVE_SECONDS + max(total / BANDWIDTH, waves * warp / WARP_RATE)
+    seconds = 0.0
+    while blocks > 0:
+        wave = min(blocks, n_sm * per_sm)
+        busiest = -(-wave // n_sm) * strips_per_block * warp           # the bytes of the SM with the most blocks
+        seconds += WAVE_SECONDS + max(busiest * n_sm / BANDWIDTH, warp / WARP_RATE)
+        blocks -= wave
+    return seconds
 
 
-def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: int) -> list[int]:
+def choose_splits(layouts: list[LaneLayout], rows: int, n_sm: int, per_sm: int, smem_rows: int,
+                  strips_per_block: int = WARPS) -> list[int]:
     """Splits of K per part: the fastest plan by _launch_seconds, every part's splits within its limits (at least
     MIN_CHUNKS_PER_SPLIT chunks, MAX_SPLITS, and splits * rows within MAX_SPLIT_ROWS, GATHER_SPLIT_ROWS where each
     block gathers x) and its x tile within X_SMEM_BYTES (smem_rows rows of x gathered per block; 0 for none: x
     staged once per launch). Ties go to the plan with fewer waves, then more blocks."""
     split_rows = GATHER_SPLIT_ROWS if smem_rows else MAX_SPLIT_ROWS
+    slots = n_sm * per_sm
     strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
-    col_blocks = [-(-lay.strips // WARPS) for lay in layouts]
+    col_blocks = [-(-lay.strips // strips_per_block) for lay in layouts]
     lo, hi = [], []
     for lay in layouts:
         chunks = len(lay.chunk_bits)
@@ -349,7 +370,8 @@ def choose_splits(layouts: list[LaneLayout], rows: int, slots: int, smem_rows: i
         for s in range(1, h + 1):              # candidate bytes per warp: b / s
             splits = [min(hq, max(lq, math.ceil(bq * s / b))) for bq, lq, hq in zip(strip_bytes, lo, hi)]
             blocks = sum(c * n for c, n in zip(col_blocks, splits))
-            key = (round(_launch_seconds(strip_bytes, col_blocks, splits, slots), 8), -(-blocks // slots), -blocks)
+            seconds = _launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, strips_per_block)
+            key = (round(seconds, 8), -(-blocks // slots), -blocks)
             if best is None or key < best[0]:
                 best = (key, splits)
     if max(best[1]) > MAX_SPLITS:
@@ -366,6 +388,7 @@ class Plan:
     smem: int
     params: np.ndarray       # 0-d PARAMS_DTYPE
     ws_floats: int           # fp32 split partials the launch needs (0: none); GEMM plans: per row of x
+    threads: int = THREADS   # per block (small-M plans: 32 per strip of a block)
 
     def arg(self) -> np.ndarray:
         """The Params as a kernel argument (the loader passes the struct's bytes by value)."""
@@ -377,9 +400,9 @@ def _ptr(t: Tensor | None) -> int:
 
 
 def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor],
-              splits: list[int], rows: int) -> Plan:
+              splits: list[int], rows: int, strips_per_block: int = WARPS) -> Plan:
     p = np.zeros((), PARAMS_DTYPE)
-    block0, ws, starts_all = _fill_parts(p, layouts, biases, counters, splits, WARPS, 1, rows)
+    block0, ws, starts_all = _fill_parts(p, layouts, biases, counters, splits, strips_per_block, 1, rows)
     p["n_parts"], p["M"], p["K"] = len(layouts), rows, layouts[0].k
     smem = 0
     if rows:                                  # the part with the longest split sets both sizes (_tile_bytes)
@@ -388,7 +411,7 @@ def make_plan(kernel: str, layouts: list[LaneLayout], biases: list[Tensor | None
         chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
         p["corr_smem"] = int(p["meta_smem"]) + 8 * chunks
         smem = int(p["corr_smem"]) + 8 * chunks * rows
-    return Plan(kernel, block0, smem, p, ws)
+    return Plan(kernel, block0, smem, p, ws, 32 * strips_per_block)
 
 
 def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor | None],
@@ -420,9 +443,32 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
     return block0, ws, starts_all
 
 
+def _check_fp16(*tensors: Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and t.dtype != torch.float16:
+            raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {t.dtype}; load the model "
+                              f"with dtype=torch.float16")
+
+
 def rows_class(rows: int) -> int:
     """The small-M kernel for `rows` rows of x (1, 8 or 16), i.e. the rows stage_xs stages for it."""
     return 1 if rows == 1 else 8 if rows <= 8 else 16
+
+
+def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, list[int]]:
+    """(strips per block, splits per part) of the small-M launch for `rows` rows of x: blocks of the first of
+    SMALL_STRIPS_PER_BLOCK (8 strips, the measured default), or of another count where _launch_seconds rates its
+    best splits SMALL_BLOCKS_GAIN faster (the model is coarse: a few percent decide nothing)."""
+    per_sm = RESIDENT_BLOCKS[rows_class(rows)]
+    strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
+    plans = []
+    for spb in SMALL_STRIPS_PER_BLOCK:
+        splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb)
+        col_blocks = [-(-lay.strips // spb) for lay in layouts]
+        plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb), spb, splits))
+    best = min(plans, key=lambda plan: plan[0])
+    _, spb, splits = best if best[0] < SMALL_BLOCKS_GAIN * plans[0][0] else plans[0]
+    return spb, splits
 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
@@ -430,8 +476,8 @@ def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters:
     """The small-M launch for `rows` rows of x, which stage_xs stages: a block's shared memory holds only its
     split's chunk_meta entries (quant_matmul.cu matmul_part_staged)."""
     cls = rows_class(rows)
-    splits = choose_splits(layouts, rows, RESIDENT_BLOCKS[cls] * n_sm, 0)
-    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, cls], layouts, biases, counters, splits, rows)
+    strips_per_block, splits = small_blocks(layouts, rows, n_sm)
+    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, cls], layouts, biases, counters, splits, rows, strips_per_block)
     p = plan.params.copy()
     p["xs_stride"] = p["meta_smem"] = p["corr_smem"] = 0
     chunks = max(int(np.diff(p["part"]["split_chunk"][i, :n + 1]).max()) for i, n in enumerate(splits))
@@ -466,7 +512,7 @@ def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tup
 
 
 def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
-    splits = choose_splits([layout], 1, DEQUANT_RESIDENT * n_sm, 0)
+    splits = choose_splits([layout], 1, n_sm, DEQUANT_RESIDENT, 0)
     return make_plan(DEQUANT_KERNELS[layout.fmt], [layout], [None], [None], splits, 0)
 
 
@@ -496,20 +542,45 @@ class QuantMatmul:
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, up: Tensor | None = None) -> Tensor:
         """The forward of a single weight."""
-        (y,) = self.forward(x)
+        (y,) = self.forward(x, up)
         return y
 
-    def forward(self, x: Tensor) -> list[Tensor]:
-        """One output per weight, [..., N_i] for x [..., K]."""
-        if x.dtype != torch.float16:
-            raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {x.dtype}; load the model "
-                              f"with dtype=torch.float16")
+    def forward(self, x: Tensor, up: Tensor | None = None) -> list[Tensor]:
+        """One output per weight, [..., N_i] for x [..., K]. With `up` (x's shape), for the gated MLP's
+        silu(x) * up (activation.silu_mul's roundings): below LARGE_M rows stage_xs applies it as it stages x."""
+        _check_fp16(x, up)
+        if up is not None and up.shape != x.shape:
+            raise ValueError(f"gate {tuple(x.shape)} and up {tuple(up.shape)} differ in shape")
         lead = x.shape[:-1]
-        x = x.reshape(-1, self.layouts[0].k).contiguous()
-        ys = self._path(x.shape[0])(x)
+        x = x.reshape(-1, self.k).contiguous()
+        if up is not None and x.shape[0] >= LARGE_M:
+            x, up = activation.silu_mul(x, up.reshape(x.shape)), None
+        if up is None:
+            ys = self._path(x.shape[0])(x)
+        else:
+            ys = self._small(x, (up.reshape(x.shape).contiguous(), *PLAIN[1:]))
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
+
+    def forward_normed(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
+        """(forward(x), r) for the block's norm in front of these weights: r = residual + h (residual None: h, the
+        first block's), x = rmsnorm(r) * w, as norm.add_rmsnorm and norm.rmsnorm compute them, bit for bit. Below
+        LARGE_M rows stage_xs normalises x as it stages it: the norm needs no launch of its own."""
+        _check_fp16(h, residual, w)
+        if residual is not None and residual.shape != h.shape:
+            raise ValueError(f"x {tuple(h.shape)} and residual {tuple(residual.shape)} differ in shape")
+        lead = h.shape[:-1]
+        h = h.reshape(-1, self.k).contiguous()
+        residual = None if residual is None else residual.reshape(h.shape).contiguous()
+        if h.shape[0] >= LARGE_M or 2 * self.k > STAGE_NORM_SMEM or any(
+                t is not None and t.data_ptr() % 16 for t in (h, residual, w)):
+            x, new = (norm.rmsnorm(h, w, eps), h) if residual is None else norm.add_rmsnorm(h, residual, w, eps)
+            ys = self._path(h.shape[0])(x)
+        else:
+            new = h if residual is None else torch.empty_like(h)
+            ys = self._small(h, (None, residual, w, new, float(eps)))
+        return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)], new.reshape(*lead, self.k)
 
     def _path(self, rows: int):
         """The method that multiplies `rows` rows of x (LARGE_M, GEMM_MAX_M)."""
@@ -517,29 +588,36 @@ class QuantMatmul:
             return self._small
         return self._gemm if rows <= GEMM_MAX_M else self._dequant_matmul
 
-    def _small(self, x: Tensor) -> list[Tensor]:
+    def _small(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
+        """Passes of ROWS_PER_PASS rows of x. before: what stage_xs applies to x as it stages it (PLAIN: nothing),
+        for x of at most ROWS_PER_PASS rows (one pass)."""
         m = x.shape[0]
+        if before is not PLAIN and m > ROWS_PER_PASS:     # (its tensors cover the first pass only)
+            raise ValueError(f"stage_xs applies an op to at most {ROWS_PER_PASS} rows of x in one pass, got {m}")
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))
         for m0 in range(0, m, ROWS_PER_PASS):
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
             xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
-            launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
-                   args=(self.args[rows], self._stage(xs, rows), *outs, *nulls, self._ws(plan, rows, x.device)),
+            launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
+                   args=(self.args[rows], self._stage(xs, rows, before), *outs, *nulls,
+                         self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
         return ys
 
-    def _stage(self, x: Tensor, rows: int) -> Tensor:
-        """`rows` rows of x as the small-M kernels read them (quant_matmul.cu stage_xs): each part's rows_class(rows)
-        rows in stored order, then their corrections, in a buffer kept from call to call (one per rows class)."""
+    def _stage(self, x: Tensor, rows: int, before: tuple) -> Tensor:
+        """`rows` rows of x (after `before`) as the small-M kernels read them (quant_matmul.cu stage_xs): each part's
+        rows_class(rows) rows in stored order, then their corrections, in a buffer kept from call to call (one per
+        rows class)."""
         k, parts, cls = self.k, len(self.layouts), rows_class(rows)
         buf = self.staged.get(cls)
         if buf is None:
             buf = self.staged[cls] = torch.empty(parts * cls * (k + (k // CHUNK) * 4), dtype=torch.float16,
                                                  device=x.device)
+        normed = before[2] is not None          # stage_norm keeps the row in shared memory
         launch("quant_matmul", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
-               args=(self.args[rows], x, buf))
+               args=(self.args[rows], x, *before, buf), shared_mem=2 * k if normed else 0)
         return buf
 
     def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:
@@ -634,13 +712,13 @@ class ExpertMatmul:
         self.tables, self.smem, self.blocks, self.max_splits = {}, {}, {}, {}
         for rows in (1, ROWS_PER_PASS):
             rows_class = 1 if rows == 1 else 16
-            slots = max(1, RESIDENT_BLOCKS[rows_class] * n_sm // active)
+            slots = max(1, RESIDENT_BLOCKS[rows_class] * n_sm // active)    # (planned as SMs of one block each)
             splits_of: dict[tuple, list[int]] = {}     # experts with equal widths share a plan
             plans = []
             for lays in experts:
                 key = tuple(tuple(lay.chunk_bits) for lay in lays)
                 if key not in splits_of:
-                    splits_of[key] = choose_splits(lays, rows, slots, rows)
+                    splits_of[key] = choose_splits(lays, rows, slots, 1, rows)
                 plans.append(make_plan(MOE_KERNELS[self.fmt, rows_class], lays, [None] * len(lays),
                                        [None] * len(lays), splits_of[key], rows))
             params = np.stack([plan.params for plan in plans])

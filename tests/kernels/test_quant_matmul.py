@@ -174,16 +174,26 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
         words = [32 * sum(lay.chunk_bits[:c]) for c in range(len(lay.chunk_bits) + 1)]
         assert part["run_word"].tolist() == [words[c] for c in lay.run_start[:-1]]
         assert part["split_word"][:n + 1].tolist() == [words[c] for c in part["split_chunk"][:n + 1]]
-        assert int(part["block0"]) == block0 and int(part["col_blocks"]) == -(-lay.strips // qm.WARPS)
+        assert int(part["block0"]) == block0 and int(part["col_blocks"]) == -(-lay.strips // (plan.threads // 32))
         assert int(part["ws_offset"]) == ws and int(part["qw"]) == lay.words.data_ptr()
         block0 += int(part["col_blocks"]) * n
         ws += n * rows * lay.np_ if n > 1 else 0
     assert plan.blocks == block0 and plan.ws_floats == ws
 
 
+def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short():
+    """The 8B shape's gate/up (2 x 448 strips of 128 4-bit chunks, 2 splits): 224 blocks of 8 strips on 264 slots
+    leave 40 SMs with one block; 256 of 7 strips fill it. q/k/v (4096 x (4096, 1024, 1024)) fills it with 8."""
+    def lay(n):
+        return SimpleNamespace(strips=n // 32, chunk_bits=[4] * 128)
+    assert qm.small_blocks([lay(14336), lay(14336)], 1, 132) == (7, [2, 2])
+    spb, splits = qm.small_blocks([lay(4096), lay(1024), lay(1024)], 1, 132)
+    assert spb == 8 and sum(-(-s // 8) * n for s, n in zip((128, 32, 32), splits)) <= 264
+
+
 def test_planner_prefers_one_full_wave():
     lay = qm.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
-    assert qm.choose_splits([lay], 1, 3 * 132, 1) == [24]      # 16 column blocks: 384 of 396 slots, not 400
+    assert qm.choose_splits([lay], 1, 132, 3, 1) == [24]       # 16 column blocks: 384 of 396 slots, not 400
 
 
 def gemm_warp_tiles(rows: int, shape: tuple[int, int]) -> list[list[int]]:
@@ -428,7 +438,7 @@ def test_exl2_matmul_gathers_x_in_several_rounds():
     w = synthetic.random_exl2(8224, 17408, "0.05:8b_32g/0.95:4b_128g", seed=5)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     lay = qm.exl2_layout(w)
-    splits = qm.choose_splits([lay], 1, qm.RESIDENT_BLOCKS[1] * n_sm, 1)[0]
+    splits = qm.choose_splits([lay], 1, n_sm, qm.RESIDENT_BLOCKS[1], 1)[0]
     assert 32 * len(lay.chunk_bits) / splits > 2048, splits
     check_matmul(w, 1, bias=False)
 
@@ -479,6 +489,81 @@ def test_forward_replays_in_a_cuda_graph(m):
         assert torch.equal(y, f(x))           # deterministic split-K: graph and eager agree bit for bit
     assert not torch.equal(y, eager)
 
+
+@on_gpu
+@pytest.mark.parametrize("strips_per_block", [7, 5])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_small_m_blocks_of_fewer_strips(strips_per_block, m, monkeypatch):
+    """Small-M launches of blocks with fewer than 8 strips (as small_blocks picks for gate/up-like shapes), fused
+    parts whose strip counts are not multiples of the block's, against the reference."""
+    monkeypatch.setattr(qm, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
+    k = 4128
+    weights = [synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=m),
+               synthetic.random_exl2(k, 300, "0.1:3b_64g/0.9:2b_64g", seed=m + 1)]
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in weights])
+    assert f.plans[m].threads == 32 * strips_per_block
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    for _ in range(2):                       # twice: split-K counters must reset themselves
+        poison_allocator()
+        for w, y in zip(weights, f.forward(x.cuda())):
+            ref = x.float() @ w.dequantize().float().T
+            assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("m", [1, 5, 16, 17])       # staged with the activation (1-16 rows), then silu_mul first
+def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
+    """f(gate, up) is the down projection of the gated MLP: bit for bit f(silu_mul(gate, up)), and close to the
+    reference composition."""
+    from exl_backends.kernels import activation
+    k = 4128
+    w = (synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=m) if fmt == "exl2"
+         else synthetic.random_gptq(k, 160, 4, 128, True, False, seed=m))
+    gen = torch.Generator().manual_seed(m)
+    gate, up = (torch.randn(m, k, generator=gen) * 3).half(), torch.randn(m, k, generator=gen).half()
+    f = qm.prepare(w.to(torch.device("cuda")), None)
+    for _ in range(2):
+        poison_allocator()
+        y = f(gate.cuda(), up.cuda())
+        assert torch.equal(y, f(activation.silu_mul(gate.cuda(), up.cuda())))
+    ref = reference.silu_mul(gate, up).float() @ w.dequantize().float().T
+    assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < 2e-3
+    with pytest.raises(ValueError, match="differ in shape"):
+        f(gate.cuda(), up[:, 1:].cuda())
+
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("m", [1, 5, 16, 17])       # normed as staged (1-16 rows), then norm.add_rmsnorm first
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_normed_forward_is_the_norm_kernel_then_forward(fmt, m, with_residual):
+    """forward_normed(h, residual, w, eps) of fused weights (each with its own permutation) is bit for bit
+    norm.add_rmsnorm (norm.rmsnorm without a residual) then forward, outputs and new residual; rows that are not
+    16-byte aligned take that composition (whose norm kernel then sums element by element)."""
+    from exl_backends.kernels import norm
+    k = 4128
+    if fmt == "exl2":
+        weights = [synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+                   synthetic.random_exl2(k, 517, "0.1:3b_64g/0.9:2b_64g", seed=2)]
+    else:
+        weights = [synthetic.random_gptq(k, 160, 4, 128, True, False, seed=1),
+                   synthetic.random_gptq(k, 96, 4, 128, True, False, seed=2)]
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in weights])
+    gen = torch.Generator().manual_seed(m)
+    h = torch.randn(m, k, generator=gen).half().cuda()
+    residual = (torch.randn(m, k, generator=gen) * 4).half().cuda() if with_residual else None
+    w = (torch.rand(k, generator=gen) + 0.5).half().cuda()
+    x, r = norm.add_rmsnorm(h, residual, w, 1e-5) if with_residual else (norm.rmsnorm(h, w, 1e-5), h)
+    expected = f.forward(x)
+    for _ in range(2):
+        poison_allocator()
+        ys, new = f.forward_normed(h, residual, w, 1e-5)
+        assert torch.equal(new, r) and all(torch.equal(y, e) for y, e in zip(ys, expected))
+    unaligned = torch.empty(m * k + 1, dtype=torch.float16, device="cuda")[1:].view(m, k)
+    unaligned.copy_(h)
+    x = norm.add_rmsnorm(unaligned, residual, w, 1e-5)[0] if with_residual else norm.rmsnorm(unaligned, w, 1e-5)
+    ys, new = f.forward_normed(unaligned, residual, w, 1e-5)
+    assert torch.equal(new, r) and all(torch.equal(y, e) for y, e in zip(ys, f.forward(x)))
 
 
 @on_gpu
