@@ -292,9 +292,6 @@ EXL_HD unsigned zero_pair(unsigned zeros, int j) { return byte_perm(zeros, 0x646
 // EXL2: zero point 2^(B-1); per-column scale fp16((c+1)^2 * m) from a 4-bit code c and the group's base m.
 struct Exl2 {
     static constexpr int REC0 = 16, REC1 = 0;    // bytes of a (strip, group) record in meta0, meta1
-    // the staged M8 kernel loads the next batch before consuming this one, as M1 does: 3-5 % faster, no spills
-    // (GPTQ's larger records spill 264 bytes so, and ran up to 1.7x slower: NOTES-matmul.md v14)
-    static constexpr bool PIPELINED_M8 = true;
     struct Cursor { const unsigned* codes; };    // the lane's word of group 0's record
     struct Raw { unsigned codes, base; };
     struct State { half2 scale[2]; };            // (col(0), col(1)), (col(2), col(3))
@@ -342,7 +339,6 @@ struct Exl2 {
 // GPTQ: zero point and fp16 scale per (group, column), read as given (v1/v2 already resolved by prepare()).
 struct Gptq {
     static constexpr int REC0 = 64, REC1 = 32;
-    static constexpr bool PIPELINED_M8 = false;
     struct Cursor { const uint2* scales; const unsigned* zeros; };     // the lane's entries of group 0
     struct Raw { uint2 scales; unsigned zeros; };
     struct State { half2 scale[2]; half2 bias[4][5]; };    // bias[j][i / B] = -(1024 * 2^-i + z_j)
@@ -566,7 +562,7 @@ struct XChunk {
 // from the block's shared memory (MoE stages them per block).
 template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
-    static constexpr bool PIPELINE = M1 || (N8 == 1 && GX && Fmt::PIPELINED_M8);
+    static constexpr bool PIPELINE = M1;       // (M8 too: EXL2 2-3 % faster, GPTQ spills: NOTES-matmul.md v14)
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
     static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
     using Extra = typename Pick<GX, XChunk<N8, M1>, NoExtra::Extra>::T;
