@@ -637,7 +637,7 @@ PAGED_DECODE(q8, 128, 8, 8, 32, 1)
 PAGED_DECODE(q6, 64, 8, 4, 32, 2)
 PAGED_DECODE(q6, 128, 8, 4, 32, 1)
 PAGED_DECODE(q4, 64, 4, 4, 32, 2)
-PAGED_DECODE(q4, 128, 4, 4, 32, 2)   // 2 blocks of 32-key tiles (40 bytes of spills) vs 1 of 64: NOTES-attention
+PAGED_DECODE(q4, 128, 4, 4, 64, 1)
 PAGED_DECODE(fp16, 256, 16, 16, 32, 1)
 PAGED_DECODE(q8, 256, 8, 8, 32, 1)
 PAGED_DECODE(q6, 256, 8, 4, 32, 1)
