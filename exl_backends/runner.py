@@ -219,10 +219,9 @@ class PrefillGraphs:
     block 0's queries, piece i from block i-1's attention output to block i's queries, the last one to the last
     block's output. Every op in them works row by row, so any batch fits; attention (which mixes rows and reads the
     batch's lengths on the host) and the final norm and head on the wanted rows run eagerly, on the graphs' static
-    buffers. Padding rows
-    write their K/V to the trash page. The static buffers are shared by all sizes (only one step runs at a time).
-    Not for layer splits, tensor parallelism or MoE models (routing many tokens reads the host). On the CPU the
-    pieces run eagerly on the same buffers (a stand-in for tests)."""
+    buffers. Padding rows write their K/V to the trash page. The static buffers are shared by all sizes (only one
+    step runs at a time). Not for layer splits, tensor parallelism or MoE models (routing many tokens reads the
+    host). On the CPU the pieces run eagerly on the same buffers (a stand-in for tests)."""
 
     def __init__(self, model: Model, cache: KVCache, trash_page: int, pool) -> None:
         dev, c, n = model.device, model.config, TOKEN_SIZES[-1]
