@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -168,7 +169,13 @@ def test_a_client_that_does_not_read_stalls_no_one(gen, url):
     assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
 
 
-def test_a_non_streaming_client_that_leaves_is_cancelled(url):
+def test_a_non_streaming_client_that_leaves_is_cancelled(url, gen, monkeypatch):
+    forward = gen._forward
+
+    def slow(batch):        # 220 steps then outlast the server's disconnect poll (DISCONNECT_POLL_S) many times
+        time.sleep(0.01)
+        return forward(batch)
+    monkeypatch.setattr(gen, "_forward", slow)
     cancelled = metric(url, 'exl_jobs_finished_total{reason="cancelled"}')
     port = int(url.rsplit(":", 1)[1])
     body = json.dumps({"prompt": prompts(1, seed=7)[0], "max_tokens": 220, "min_tokens": 220, "n": 2}).encode()
