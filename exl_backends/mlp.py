@@ -16,6 +16,9 @@ class Mlp:
                  activation: Activation = Activation.SILU):
         self.gate, self.up, self.down, self.activation = gate, up, down, activation
         self.gate_up = FusedLinear([gate, up])          # one launch on CUDA for quantized gate/up
+        # a quantized down projection on CUDA applies silu(gate) * up as it stages its input: one launch less
+        kernel = getattr(down, "kernel", None)
+        self.gated_down = kernel if kernel is not None and activation is Activation.SILU else None
 
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
         return self._down(*self.gate_up(x), ops)
@@ -27,9 +30,8 @@ class Mlp:
         return self._down(gate, up, ops), residual
 
     def _down(self, gate: Tensor, up: Tensor, ops: Ops) -> Tensor:
-        kernel = getattr(self.down, "kernel", None)
-        if kernel is not None and self.activation is Activation.SILU:
-            return kernel(gate, up)         # applies silu(gate) * up as it stages its input: one launch less
+        if self.gated_down is not None:
+            return self.gated_down(gate, up)
         return self.down(ops.gated(self.activation)(gate, up))
 
 

@@ -532,6 +532,7 @@ def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
     with pytest.raises(ValueError, match="differ in shape"):
         f(gate.cuda(), up[:, 1:].cuda())
 
+
 @on_gpu
 @pytest.mark.parametrize("fmt", ["exl2", "gptq"])
 @pytest.mark.parametrize("m", [1, 5, 16, 17])       # normed as staged (1-16 rows), then norm.add_rmsnorm first
@@ -561,9 +562,9 @@ def test_normed_forward_is_the_norm_kernel_then_forward(fmt, m, with_residual):
         assert torch.equal(new, r) and all(torch.equal(y, e) for y, e in zip(ys, expected))
     # unaligned rows (norm.cu holds at most 4096 of them): a narrower fused weight
     k = 2080
-    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in
-                 ([synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=3)] if fmt == "exl2" else
-                  [synthetic.random_gptq(k, 160, 4, 128, True, False, seed=3)])])
+    narrow = (synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=3) if fmt == "exl2" else
+              synthetic.random_gptq(k, 160, 4, 128, True, False, seed=3))
+    f = qm.fuse([qm.prepare(narrow.to(torch.device("cuda")), None)])
     h, w = h[:, :k].contiguous(), w[:k].contiguous()
     residual = residual[:, :k].contiguous() if with_residual else None
     unaligned = torch.empty(m * k + 1, dtype=torch.float16, device="cuda")[1:].view(m, k)
