@@ -104,8 +104,11 @@ constexpr int TILE_STRIDE = 40;          // halves per row of a dequant tile: 32
 constexpr unsigned PREFETCH_BYTES = QMM_PREFETCH_BYTES;   // L2 prefetch distance of a warp's weight stream
 constexpr int STAGE_LOADS = 8;           // gathers of x per thread per x row in flight
 constexpr int STAGE_ROWS = 4;            // x rows staged together (M8/M16): STAGE_ROWS * STAGE_LOADS gathers in flight
+#ifndef QMM_REDUCE_ROWS                    // benchmarks/tune_matmul.py times other values
+#define QMM_REDUCE_ROWS 2                  // 4 measured 4-30 % slower at 16 rows (NOTES-matmul.md v17)
+#endif
 constexpr int REDUCE_LOADS = 16;         // split partials per lane in flight in the final reduction (M1)
-constexpr int REDUCE_ROWS = 4;           // x rows reduced together (M8/M16), REDUCE_LOADS / 2 splits of each
+constexpr int REDUCE_ROWS = QMM_REDUCE_ROWS;   // x rows reduced together (M8/M16), REDUCE_LOADS / 2 splits of each
 #ifndef QMM_GEMM_STAGES                    // benchmarks/tune_matmul.py times other values (also QMM_GEMM_BATCH,
 #define QMM_GEMM_STAGES 4                  // QMM_GEMM_BLOCKS below)
 #endif

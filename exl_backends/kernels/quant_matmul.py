@@ -82,12 +82,22 @@ X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more wou
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
 # The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): the SMs share
 # BANDWIDTH bytes/s evenly, so a wave lasts as long as its busiest SM's bytes take (an SM left with fewer blocks
-# idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); one warp alone streams at most
-# WARP_RATE (its prefetch distance over the memory latency); each wave costs WAVE_SECONDS on top (ramp-up, x
-# gather, split-K tail).
+# idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); with several rows of x an SM decodes
+# and multiplies at most SM_RATES[rows class] bytes/s; one warp alone streams at most WARP_RATES[rows class] (one
+# row: its prefetch distance over the memory latency; 8 and 16 rows: its decode and MMAs); each wave costs
+# WAVE_SECONDS on top (ramp-up, prologue). With several rows of x and splits, the strip's last warp reads every
+# split's partial of every row, 16 loads a lane in flight (quant_matmul.cu reduce_splits: REDUCE_ROWS = 2 rows x
+# REDUCE_SPLITS = 8 splits), each such round REDUCE_SECONDS after the one before. The 8- and 16-row figures are
+# fitted to tune_matmul.py (NOTES-matmul.md v17): at 16 rows 4096 x 4096 in 8 splits 18.2 us against 20.5 in 16,
+# 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against 40.6 in 8, 4096 x 14336 in blocks of
+# 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp rate). One-row launches read one row, one
+# round up to 16 splits: not modelled (their plans are measured as they are).
 BANDWIDTH = 4.0e12
-WARP_RATE = 3.0e9
+WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
+SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
 WAVE_SECONDS = 3.0e-6
+REDUCE_SECONDS = 0.8e-6
+REDUCE_ROWS, REDUCE_SPLITS = 2, 8
 # Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
 # of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
 # that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, NOTES-matmul.md v10).
@@ -333,16 +343,20 @@ def _tile_bytes(starts: list[int], rows: int) -> int:
 
 
 def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], n_sm: int, per_sm: int,
-                    strips_per_block: int = WARPS) -> float:
-    """The planner's model (BANDWIDTH, WARP_RATE, WAVE_SECONDS above) of a launch's time: per_sm blocks of
-    strips_per_block warps fit on each of n_sm SMs, a warp streams its strip's bytes over its split."""
+                    strips_per_block: int = WARPS, rows: int = 1) -> float:
+    """The planner's model (BANDWIDTH, SM_RATES, WARP_RATES, WAVE_SECONDS, REDUCE_SECONDS above) of a launch's
+    time for `rows` rows of x: per_sm blocks of strips_per_block warps fit on each of n_sm SMs, a warp streams its
+    strip's bytes over its split, and with several rows and splits the last warp of a strip reduces the partials."""
     blocks = sum(c * s for c, s in zip(col_blocks, splits))
     warp = max(b / s for b, s in zip(strip_bytes, splits))
+    cls = rows_class(rows)
     seconds = 0.0
+    if rows > 1 and max(splits) > 1:
+        seconds += REDUCE_SECONDS * -(-rows // REDUCE_ROWS) * -(-max(splits) // REDUCE_SPLITS)
     while blocks > 0:
         wave = min(blocks, n_sm * per_sm)
         busiest = -(-wave // n_sm) * strips_per_block * warp           # the bytes of the SM with the most blocks
-        seconds += WAVE_SECONDS + max(busiest * n_sm / BANDWIDTH, warp / WARP_RATE)
+        seconds += WAVE_SECONDS + max(busiest * n_sm / BANDWIDTH, busiest / SM_RATES[cls], warp / WARP_RATES[cls])
         blocks -= wave
     return seconds
 
@@ -370,7 +384,7 @@ def choose_splits(layouts: list[LaneLayout], rows: int, n_sm: int, per_sm: int, 
         for s in range(1, h + 1):              # candidate bytes per warp: b / s
             splits = [min(hq, max(lq, math.ceil(bq * s / b))) for bq, lq, hq in zip(strip_bytes, lo, hi)]
             blocks = sum(c * n for c, n in zip(col_blocks, splits))
-            seconds = _launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, strips_per_block)
+            seconds = _launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, strips_per_block, rows)
             key = (round(seconds, 8), -(-blocks // slots), -blocks)
             if best is None or key < best[0]:
                 best = (key, splits)
@@ -465,7 +479,7 @@ def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, 
     for spb in SMALL_STRIPS_PER_BLOCK:
         splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb)
         col_blocks = [-(-lay.strips // spb) for lay in layouts]
-        plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb), spb, splits))
+        plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb, rows), spb, splits))
     best = min(plans, key=lambda plan: plan[0])
     _, spb, splits = best if best[0] < SMALL_BLOCKS_GAIN * plans[0][0] else plans[0]
     return spb, splits

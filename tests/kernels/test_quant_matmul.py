@@ -191,6 +191,20 @@ def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short
     assert spb == 8 and sum(-(-s // 8) * n for s, n in zip((128, 32, 32), splits)) <= 264
 
 
+def test_sixteen_row_plans_weigh_the_split_reduction_against_the_warps_stream():
+    """The model's split-K tail (REDUCE_SECONDS a round of 2 rows x 8 splits): at 16 rows 4096 x 4096 and
+    4096 x 6144 take 8 splits (measured 18.2 / 19.8 us against 20.5 in 16 / 22.3 in 11), 14336 x 4096 keeps 16
+    (31.1 us against 40.6 in 8); one-row plans are not affected."""
+    def lay(n, k=4096):
+        return SimpleNamespace(strips=-(-n // 32), chunk_bits=[4] * (k // 32))
+    assert qm.small_blocks([lay(4096)], 16, 132)[1] == [8]
+    assert qm.small_blocks([lay(6144)], 16, 132)[1] == [8]
+    assert qm.small_blocks([lay(4096, 14336)], 16, 132)[1] == [16]
+    assert qm.small_blocks([lay(4096)], 1, 132)[1] == [16]
+    bytes_ = [128 * 4 * 128]                     # a strip of 4096 x 4096 at 4 bits
+    assert qm._launch_seconds(bytes_, [16], [16], 132, 2, 8, 16) > qm._launch_seconds(bytes_, [16], [8], 132, 2, 8, 16)
+
+
 def test_planner_prefers_one_full_wave():
     lay = qm.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
     assert qm.choose_splits([lay], 1, 132, 3, 1) == [24]       # 16 column blocks: 384 of 396 slots, not 400
