@@ -6,6 +6,7 @@ with nvcc) must read the bits the Python repack wrote. GPU tests (marker gpu) ru
 odd sizes against the reference computed in f32 from the exact dequantized weight."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -203,6 +204,15 @@ def test_sixteen_row_plans_weigh_the_split_reduction_against_the_warps_stream():
     assert qm.small_blocks([lay(4096)], 1, 132)[1] == [16]
     bytes_ = [128 * 4 * 128]                     # a strip of 4096 x 4096 at 4 bits
     assert qm._launch_seconds(bytes_, [16], [16], 132, 2, 8, 16) > qm._launch_seconds(bytes_, [16], [8], 132, 2, 8, 16)
+
+
+def test_the_models_reduction_round_is_the_kernels():
+    """REDUCE_ROWS x REDUCE_SPLITS in the planner's model: the rows and splits reduce_splits loads at once at 8-16
+    rows (quant_matmul.cu QMM_REDUCE_ROWS, REDUCE_LOADS / 2)."""
+    source = Path(qm.__file__).with_suffix(".cu").read_text()
+    rows = int(re.search(r"^#define QMM_REDUCE_ROWS (\d+)", source, re.M).group(1))
+    loads = int(re.search(r"^constexpr int REDUCE_LOADS = (\d+);", source, re.M).group(1))
+    assert (qm.REDUCE_ROWS, qm.REDUCE_SPLITS) == (rows, loads // 2)
 
 
 def test_planner_prefers_one_full_wave():
