@@ -85,13 +85,14 @@ SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 
 # idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); with several rows of x an SM decodes
 # and multiplies at most SM_RATES[rows class] bytes/s; one warp alone streams at most WARP_RATES[rows class] (one
 # row: its prefetch distance over the memory latency; 8 and 16 rows: its decode and MMAs); each wave costs
-# WAVE_SECONDS on top (ramp-up, prologue). With several rows of x and splits, the strip's last warp reads every
-# split's partial of every row, 16 loads a lane in flight (quant_matmul.cu reduce_splits: REDUCE_ROWS = 2 rows x
-# REDUCE_SPLITS = 8 splits), each such round REDUCE_SECONDS after the one before. The 8- and 16-row figures are
-# fitted to tune_matmul.py (NOTES-matmul.md v17): at 16 rows 4096 x 4096 in 8 splits 18.2 us against 20.5 in 16,
-# 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against 40.6 in 8, 4096 x 14336 in blocks of
-# 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp rate). One-row launches read one row, one
-# round up to 16 splits: not modelled (their plans are measured as they are).
+# WAVE_SECONDS on top (ramp-up, prologue; at one row also the split-K tail). With several rows of x and splits,
+# the strip's last warp reads every split's partial of every row, 16 loads a lane in flight (quant_matmul.cu
+# reduce_splits: REDUCE_ROWS = 2 rows x REDUCE_SPLITS = 8 splits), each such round REDUCE_SECONDS after the one
+# before. The 8- and 16-row figures are fitted to tune_matmul.py (NOTES-matmul.md v17): at 16 rows 4096 x 4096 in
+# 8 splits 18.2 us against 20.5 in 16, 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against
+# 40.6 in 8, 4096 x 14336 in blocks of 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp
+# rate). One-row launches read one row, one round up to 16 splits: not modelled (their plans are measured as they
+# are).
 BANDWIDTH = 4.0e12
 WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
 SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
