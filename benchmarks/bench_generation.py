@@ -98,7 +98,7 @@ def first_token_s(gen: Generator, prompt: list[int]) -> tuple[float, int]:
     return seconds, chunks[-1].usage.cached_tokens
 
 
-def ttft(lm, prompt_len: int, prefix_len: int, rounds: int) -> dict:
+def ttft(lm, prompt_len: int, prefix_len: int, rounds: int, profile: bool = False) -> dict:
     gen = Generator(lm, max_batch_size=4, max_seq_len=prompt_len + 8, cache_tokens=8 * (prompt_len + lm.page_size))
     vocab = lm.exl_config.vocab_size
     cold, warm = [], []
@@ -110,8 +110,34 @@ def ttft(lm, prompt_len: int, prefix_len: int, rounds: int) -> dict:
         if r:
             warm.append(w)
             cold.append(c)
+    if profile:
+        profile_cached(gen, prompt_len, prefix_len, vocab)
     return dict(prompt=prompt_len, prefix=prefix_len, reused_tokens=cached, cold_ms=1000 * min(cold),
                 cached_ms=1000 * min(warm), speedup=min(cold) / min(warm))
+
+
+def profile_cached(gen: Generator, prompt_len: int, prefix_len: int, vocab: int) -> None:
+    """Where a cached-prefix first token's time goes: its kernels by GPU time, then the host's functions."""
+    from torch.profiler import ProfilerActivity, profile
+    prefix, tail_a, tail_b, tail_c = random_prompts(4, prompt_len, vocab, seed=5000)
+    first_token_s(gen, prefix[:prefix_len] + tail_a[prefix_len:])
+    device = gen.cache.device
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds, _ = first_token_s(gen, prefix[:prefix_len] + tail_b[prefix_len:])
+        sync(device)
+    rows = {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages() if e.self_device_time_total > 0}
+    total = sum(t for t, _ in rows.values())
+    print(f"== cached-prefix first token: wall {1000 * seconds:.2f} ms, "
+          f"GPU busy {total / 1e3:.2f} ms ==")
+    for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"{k[:70]:70} {t:9.1f} us {n:6d} calls {100 * t / total:5.1f} %")
+    with cProfile.Profile() as profiler:
+        first_token_s(gen, prefix[:prefix_len] + tail_c[prefix_len:])
+        sync(device)
+    print("== host profile of a cached-prefix first token ==")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
 
 
 # ---- speculative decoding: step costs on this device ---------------------------------------------------------------
@@ -231,7 +257,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
     ap.add_argument("--draft-k", default="2,4,7")     # 1 + k <= runner.MAX_TOKENS: a captured verify step
     ap.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="the concurrency jobs' sampling")
-    ap.add_argument("--profile", action="store_true", help="cProfile the last level's jobs after the concurrency runs")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last level's jobs after the concurrency runs; profile a cached-prefix first token")
     ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
     ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model (every k)")
     args = ap.parse_args()
@@ -261,7 +287,7 @@ def main() -> None:
                          f"({r['vs_one_job']:.1f}x one job), {r['per_job_tok_s']:.1f} tok/s per job, "
                          f"TTFT {r['ttft_ms']:.0f} ms")
     if "ttft" in parts:
-        r = ttft(lm, args.ttft_prompt, args.ttft_prefix, rounds=3)
+        r = ttft(lm, args.ttft_prompt, args.ttft_prefix, rounds=3, profile=args.profile)
         lines.append(f"TTFT {r['prompt']}-token prompt: cold {r['cold_ms']:.1f} ms, {r['prefix']}-token prefix "
                      f"cached ({r['reused_tokens']} tokens reused) {r['cached_ms']:.1f} ms = {r['speedup']:.1f}x")
     if "speculative" in parts:

@@ -109,6 +109,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 
 // ------------------------------------------------------------------------------------------- tensor cores
 
+// Four 8x8 fp16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8 (16 bytes,
+// aligned) and receives r[j] = row l / 4, elements 2 (l % 4) .. + 1 of matrix j (sm_75+). With matrices A's rows
+// 0-7 / 8-15 x columns 0-7 / 8-15 in the order (0-7, 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), r is the A
+// fragment a0..a3 of mma_16816.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+
 // d += A (16x16, fp16, row-major fragment a0..a3) * B (16x8, fp16, column-major fragment b0, b1), fp32 accumulate.
 // Fragment of lane l (g = l/4, q = l%4): a0 = A[g][2q..2q+1], a1 = A[g+8][2q..2q+1], a2 = A[g][2q+8..2q+9],
 // a3 = A[g+8][2q+8..2q+9]; b0 = B[2q..2q+1][g], b1 = B[2q+8..2q+9][g]; d = {C[g][2q], C[g][2q+1], C[g+8][2q],

@@ -70,16 +70,18 @@
 //   split b / col_blocks / m_tiles; an M tile is ceil(M16 / m_tiles) m16 tiles of x (M16 = ceil(M / 16)), split
 //   over its R row groups (at most 4 each, by the launcher's choice of R and m_tiles). Warps of strips past the
 //   part's last decode the last one (every warp takes part in the block's barriers) but write nothing.
-//   x: the part's x_i [M, K] in stored row order (permute_x made it, or x itself without a perm), 16-byte aligned;
-//   chunk by chunk into a ring of GEMM_STAGES slots of the M tile's rows x GEMM_XS halves (cp.async, rows past M
-//   zero), one __syncthreads per chunk. Dynamic shared memory: the split's chunk_meta entries, then the ring at
+//   x: the part's x_i [M, K] in stored row order, its columns within each 16 in MMA k order (permute_x made it:
+//   gemm_k_row), 16-byte aligned; chunk by chunk into a ring of GEMM_STAGES slots of the M tile's rows x GEMM_XS
+//   halves (cp.async, rows past M zero), one __syncthreads per chunk; a warp's A fragments come from the ring by
+//   one ldmatrix.x4 each, already in the registers the MMA reads (two 8-byte loads gave them in another order, and
+//   the register moves that reordered them were a third of the kernel's instructions: NOTES-matmul.md v18). Dynamic shared memory: the split's chunk_meta entries, then the ring at
 //   Params.ring_smem. Dependent launch: weight and record prefetches and the chunk_meta copy before pdl_wait.
 //   n_splits == 1: y = acc (+ bias). Otherwise fp32 partials ws[(part.ws_offset + split * Np) * M + m * Np + col]
 //   (ws_offset: floats per x row before this part's), summed in split order by gemm_reduce (grid (ceil(M Np / 2 /
 //   256), parts), one column pair per thread), which adds the bias: the "last block reduces" scheme of the small-M
 //   kernels would leave one block reading splits x 64 x 256 x 4 bytes alone.
-//   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k'] = x[m][perm_i[k']] (a copy for
-//   a part without a perm), through the row in shared memory (coalesced reads and writes).
+//   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k] = x[m][perm_i[gemm_k_row(k)]]
+//   (perm_i the identity for a part without one), through the row in shared memory (coalesced reads and writes).
 //
 // DEQUANT KERNELS  <fmt>_dequant
 //   Same Params (one part, its own plan), block 256, static shared memory 20 KB. Warp w of block b decodes its
@@ -116,8 +118,15 @@ constexpr int REDUCE_ROWS = QMM_REDUCE_ROWS;   // x rows reduced together (M8/M1
 #define QMM_GEMM_BATCH 1                   // registers, spills at 128)
 #endif
 constexpr int GEMM_STAGES = QMM_GEMM_STAGES;   // x chunks in flight in a GEMM block's ring (quant_matmul.GEMM_STAGES)
-constexpr int GEMM_XS = 48;              // halves per x row of a ring slot: 32 + 16 pad (quant_matmul.GEMM_XS)
-constexpr int GEMM_WARP_TILES = 4;       // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS = 64)
+constexpr int GEMM_XS = 40;              // halves per x row of a ring slot: 32 + 8 pad, ldmatrix conflict-free
+                                         // (quant_matmul.GEMM_XS)
+#ifndef QMM_GEMM_WARP_TILES                 // benchmarks/tune_matmul.py times 8 (with QMM_GEMM_BLOCKS=1)
+#define QMM_GEMM_WARP_TILES 4
+#endif
+#ifndef QMM_GEMM_PIPELINE                   // 1: a GEMM warp loads its next chunk's words before computing this one
+#define QMM_GEMM_PIPELINE 0
+#endif
+constexpr int GEMM_WARP_TILES = QMM_GEMM_WARP_TILES;   // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS)
 
 // ------------------------------------------------------------------------------------------- pair layout
 
@@ -1194,13 +1203,13 @@ struct GemmTile {
 // of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
 template <class Fmt>
 struct GemmSink : NoExtra {
-    static constexpr bool PIPELINE = false;          // loading the next batch first: slower (NOTES-matmul.md)
+    static constexpr bool PIPELINE = QMM_GEMM_PIPELINE;   // at 64-row warps: slower (NOTES-matmul.md)
     static constexpr int BATCH = QMM_GEMM_BATCH;     // chunks per batch (walk_run)
     half* ring;
     int slot_halves;
     const half* x;           // [M, K], stored row order
     int K, M, row0, rows, c0, c1;
-    int a_offset;            // halves from a slot's start to the lane's A rows: warp row + g, chunk column 4q
+    int a_offset;            // halves from a slot's start to the row whose address the lane gives ldmatrix
     int tiles;
     int k = 0;               // chunks consumed
     int group = -1;
@@ -1245,11 +1254,11 @@ struct GemmSink : NoExtra {
 #pragma unroll
             for (int i = 0; i < GEMM_WARP_TILES; ++i)
                 if (i < tiles) {
-                    const uint2 lo = *reinterpret_cast<const uint2*>(xs + 16 * i * GEMM_XS + 16 * s);       // row g
-                    const uint2 hi = *reinterpret_cast<const uint2*>(xs + (16 * i + 8) * GEMM_XS + 16 * s); // g + 8
+                    unsigned a[4];
+                    ldmatrix_x4(a, xs + 16 * i * GEMM_XS + 16 * s);
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
-                        mma_16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, as_bits(b[4 * j + 2 * s]),
+                        mma_16816(acc[i][j], a[0], a[1], a[2], a[3], as_bits(b[4 * j + 2 * s]),
                                   as_bits(b[4 * j + 2 * s + 1]));
                 }
     }
@@ -1275,10 +1284,10 @@ __device__ __forceinline__ void gemm_part(const Params& p, const Part& pt, int l
 
     GemmSink<Fmt> sink;
     sink.ring = reinterpret_cast<half*>(smem + p.ring_smem);
-    sink.slot_halves = 64 * p.row_groups * GEMM_XS;
+    sink.slot_halves = 16 * GEMM_WARP_TILES * p.row_groups * GEMM_XS;
     sink.x = x;
     sink.K = p.K; sink.M = M; sink.row0 = tile.row0; sink.rows = tile.rows; sink.c0 = c0; sink.c1 = c1;
-    sink.a_offset = (tile.warp_row0 - tile.row0 + g) * GEMM_XS + 4 * q;
+    sink.a_offset = (tile.warp_row0 - tile.row0 + lane % 16) * GEMM_XS + 8 * (lane / 16);   // ldmatrix_x4's rows
     sink.tiles = tile.tiles;
 #pragma unroll
     for (int n = 0; n < GEMM_STAGES - 1; ++n) sink.stage(n);
@@ -1338,7 +1347,16 @@ __device__ __forceinline__ void gemm_reduce(const Params& p, int M, half* y0, ha
                sum.y + (col + 1 < pt.n ? bias_at(pt.bias, col + 1) : 0.f));
 }
 
-// Row blockIdx.x of x [M, K] in part blockIdx.y's stored row order: xp[part][m][k'] = x[m][perm[k']].
+// The stored row (chunk row 16s + r) of MMA k index 16s + k: the lane layout gives lane 4g + q the weights of chunk
+// rows 4q, 4q + 1 as B[2q..2q+1] and rows 4q + 2, 4q + 3 as B[2q+8..2q+9] (LANE LAYOUT), so x's columns are put in
+// that order and ldmatrix's A fragments (A[g][2q..2q+1], A[g][2q+8..2q+9]) match them.
+EXL_HD int gemm_k_row(int k)
+{
+    const int r = k % 16;
+    return k - r + 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2;
+}
+
+// Row blockIdx.x of x [M, K] for part blockIdx.y's GEMM: xp[part][m][k] = x[m][perm[gemm_k_row(k)]].
 __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x, half* xp)
 {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -1350,7 +1368,10 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
     for (int i = threadIdx.x; i < K / 8; i += THREADS) reinterpret_cast<uint4*>(row)[i] = __ldg(src + i);
     __syncthreads();
     half* out = xp + ((size_t)blockIdx.y * M + m) * K;
-    for (int k = threadIdx.x; k < K; k += THREADS) out[k] = row[perm ? __ldg(perm + k) : k];
+    for (int k = threadIdx.x; k < K; k += THREADS) {
+        const int r = gemm_k_row(k);
+        out[k] = row[perm ? __ldg(perm + r) : r];
+    }
 }
 
 }  // namespace qmm

@@ -64,7 +64,7 @@ GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (quant_matmul.cu GEMM_
 # tune_matmul.py --set GEMM_ROW_GROUPS=1,GEMM_ROW_GROUPS=2 compares
 GEMM_ROW_GROUPS = 2
 GEMM_STAGES = 4                 # x chunks in flight per GEMM block (quant_matmul.cu GEMM_STAGES)
-GEMM_XS = 48                    # halves per x row of a ring slot (quant_matmul.cu GEMM_XS)
+GEMM_XS = 40                    # halves per x row of a ring slot (quant_matmul.cu GEMM_XS)
 # GEMM blocks per SM (launch bounds QMM_GEMM_BLOCKS: 128 registers, a few bytes of spills; at 1 block ~185 without:
 # tune_matmul.py --defines QMM_GEMM_BLOCKS=1 compares); K is split until a launch fills one wave of them
 GEMM_RESIDENT = 2
@@ -662,12 +662,10 @@ class QuantMatmul:
         return ys
 
     def _stored_order(self, x: Tensor, plan: Plan) -> list[Tensor]:
-        """x [M, K] in each part's stored row order, 16-byte aligned (the GEMM copies 16 bytes at a time): x itself
-        when no part has a permutation, else permute_x's copies [parts, M, K]."""
+        """x [M, K] as each part's GEMM reads it (permute_x: its stored row order, in MMA k order within each 16
+        columns), [parts, M, K]."""
         if x.data_ptr() % 16:
             x = x.clone()
-        if all(lay.perm is None for lay in self.layouts):
-            return [x] * len(self.layouts)
         m, k = x.shape
         xp = torch.empty(len(self.layouts), m, k, dtype=torch.float16, device=x.device)
         launch("quant_matmul", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,), args=(plan.arg(), m, x, xp),

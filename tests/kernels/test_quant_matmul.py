@@ -286,10 +286,11 @@ def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
 
 
 def test_gemm_ring_rows_are_bank_conflict_free():
-    """A half-warp's 8-byte A-fragment loads (rows g = 0..3, columns 4q..4q+3) hit 16 distinct bank pairs."""
-    for s in range(2):
-        banks = [((g * qm.GEMM_XS + 16 * s + 4 * q) * 2 // 4) % 32 for g in range(4) for q in range(4)]
-        assert len({b // 2 for b in banks}) == 16 and qm.GEMM_XS * 2 % 16 == 0
+    """Each 8x8 matrix of a warp's ldmatrix.x4 (8 rows of 16 bytes, any 16-column step s and half) hits all 32
+    banks once, and ring rows stay 16-byte aligned."""
+    for col in (0, 8, 16, 24):
+        banks = [((r * qm.GEMM_XS + col) * 2 // 4 + b) % 32 for r in range(8) for b in range(4)]
+        assert sorted(banks) == list(range(32)) and qm.GEMM_XS * 2 % 16 == 0
 
 
 # ----------------------------------------------------------------------------------------------- CPU: kernel decode
@@ -311,7 +312,7 @@ template <int B> void pairs(const unsigned* in) {
     for (int i = 0; i < B; ++i) w[i] = in[i];
     for (int p = 0; p < 16; ++p) printf("%u %d\n", qmm::pair_bits<B>(w, p), qmm::magic_shift<B>(p));
 }
-int main() {   // lines "P bits words...", "S word g", "Z word j", "O 0"
+int main() {   // lines "P bits words...", "S word g", "Z word j", "K n", "O 0"
     char op;
     unsigned in[8];
     int b;
@@ -320,6 +321,8 @@ int main() {   // lines "P bits words...", "S word g", "Z word j", "O 0"
             for (int i = 0; i < b; ++i) scanf("%u", &in[i]);
             switch (b) { case 2: pairs<2>(in); break; case 3: pairs<3>(in); break; case 4: pairs<4>(in); break;
                          case 5: pairs<5>(in); break; case 6: pairs<6>(in); break; default: pairs<8>(in); }
+        } else if (op == 'K') {
+            for (int k = 0; k < b; ++k) printf("%d\n", qmm::gemm_k_row(k));
         } else if (op == 'O') {
         OFFSETS
         } else {
@@ -368,6 +371,20 @@ def test_kernel_decodes_the_codes_the_repack_wrote(harness):
                 for e, half in enumerate((v & 0xFFFF, v >> 16)):
                     assert half >> 10 == 0x19 and half & ((1 << i) - 1) == 0, (bits, l, p)   # 1024 + code * 2^i
                     assert (half & 0x3FF) >> i == codes[row + e, col], (bits, l, p, e)
+
+
+def test_gemm_x_columns_meet_the_lane_layouts_weights(harness):
+    """The GEMM's x columns (permute_x: x[gemm_k_row(k)]) give ldmatrix's A fragment of lane 4g + q at MMA k = 2q + e
+    and 2q + 8 + e of step s the chunk rows whose weights the lane holds as B there: 16s + 4q + 2h + e (h = 0, 1)."""
+    rows = [r[0] for r in harness(["K 64"])]
+    assert sorted(rows) == list(range(64))
+    for t in range(2):                               # two chunks
+        for s in range(2):
+            for q in range(4):
+                for e in range(2):
+                    for h in range(2):
+                        k = 32 * t + 16 * s + 2 * q + 8 * h + e
+                        assert rows[k] == 32 * t + 16 * s + 4 * q + 2 * h + e, (k, rows[k])
 
 
 def test_launch_parameters_match_the_kernels_structs(harness):
