@@ -1,7 +1,9 @@
 """The generation engine's speed claims (issue #6), on a synthetic Llama-3-8B-shape EXL2 model (4.0 bpw body):
 
   concurrency  aggregate tokens/s of 1, 4, 16 and 64 jobs submitted together (greedy, fixed length; target:
-               16 jobs >= 8x one job; `--sampling plain`: every job samples at temperature 0.8, top_p 0.9);
+               16 jobs >= 8x one job; `--sampling plain`: every job samples at temperature 0.8, top_p 0.9), over
+               the whole run and over its decode phase (from the first job's first token on: the prompts'
+               prefill, which 16 jobs pay as one 2048-token step, left out);
   ttft         time to first token of a 2000-token prompt whose first 1900 tokens are in the prefix cache, vs the
                same length uncached (target >= 5x);
   speculative  what a speculative step costs on this device: one graph-replayed decode token vs a verify
@@ -70,7 +72,8 @@ def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile
     for i, n in enumerate(levels):
         in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens, sampling)   # warm-up
         r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens, sampling)
-        rows.append(dict(jobs=n, tok_s=r["tok_s"], per_job_tok_s=r["per_request_tok_s"], ttft_ms=r["ttft_ms"]))
+        rows.append(dict(jobs=n, tok_s=r["tok_s"], decode_tok_s=r["decode_tok_s"], per_job_tok_s=r["per_request_tok_s"],
+                         ttft_ms=r["ttft_ms"]))
     if profile:     # the last level's jobs, consumed (so their steps run) in this thread, where cProfile sees them
         n = levels[-1]
         prompts = random_prompts(n, prompt_len, vocab, seed=4000)
@@ -83,6 +86,7 @@ def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     for r in rows:
         r["vs_one_job"] = r["tok_s"] / rows[0]["tok_s"]
+        r["decode_vs_one_job"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
     return rows
 
 
@@ -284,7 +288,8 @@ def main() -> None:
         for r in concurrency(lm, [int(x) for x in args.levels.split(",")], args.prompt_len, args.max_tokens,
                              args.profile, SAMPLINGS[args.sampling]):
             lines.append(f"{args.shape} {r['jobs']:>3} {args.sampling} jobs: {r['tok_s']:8.1f} tok/s aggregate "
-                         f"({r['vs_one_job']:.1f}x one job), {r['per_job_tok_s']:.1f} tok/s per job, "
+                         f"({r['vs_one_job']:.2f}x one job; decode phase {r['decode_tok_s']:.1f} tok/s = "
+                         f"{r['decode_vs_one_job']:.2f}x), {r['per_job_tok_s']:.1f} tok/s per job, "
                          f"TTFT {r['ttft_ms']:.0f} ms")
     if "ttft" in parts:
         r = ttft(lm, args.ttft_prompt, args.ttft_prefix, rounds=3, profile=args.profile)

@@ -76,10 +76,17 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def summary(records: list[dict], wall: float) -> dict:
+    """Rates over the whole run; with the records' first_at / end_at (in-process), also the decode phase's: the
+    tokens after each job's first chunk over the time from the first job's first chunk to the last job's end (the
+    prompts' prefill, before any first token, left out)."""
     tokens = sum(r["tokens"] for r in records)
-    return dict(requests=len(records), wall_s=wall, req_s=len(records) / wall, tok_s=tokens / wall,
-                per_request_tok_s=sum(r["tokens"] / r["latency"] for r in records) / len(records),
-                ttft_ms=1000 * sum(r["ttft"] for r in records) / len(records))
+    out = dict(requests=len(records), wall_s=wall, req_s=len(records) / wall, tok_s=tokens / wall,
+               per_request_tok_s=sum(r["tokens"] / r["latency"] for r in records) / len(records),
+               ttft_ms=1000 * sum(r["ttft"] for r in records) / len(records))
+    if all("first_at" in r for r in records):
+        span = max(r["end_at"] for r in records) - min(r["first_at"] for r in records)
+        out["decode_tok_s"] = sum(r["decode_tokens"] for r in records) / span
+    return out
 
 
 # ---- in-process ----------------------------------------------------------------------------------------------------
@@ -93,12 +100,15 @@ def in_process(gen, prompts: list[list[int]], concurrency: int, max_tokens: int,
     def client(mine: list[list[int]]):
         for p in mine:
             t0 = time.perf_counter()
-            first, n = None, 0
+            first, first_n, n = None, 0, 0
             for chunk in gen.submit(p, max_new_tokens=max_tokens, min_new_tokens=max_tokens, sampling=sampling):
-                first = first or time.perf_counter()
+                if first is None:
+                    first, first_n = time.perf_counter(), len(chunk.token_ids)
                 n += len(chunk.token_ids)
+            end = time.perf_counter()
             with lock:
-                records.append(dict(latency=time.perf_counter() - t0, ttft=first - t0, tokens=n))
+                records.append(dict(latency=end - t0, ttft=first - t0, tokens=n, first_at=first, end_at=end,
+                                    decode_tokens=n - first_n))
     threads = [threading.Thread(target=client, args=(prompts[i::concurrency],)) for i in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
