@@ -17,6 +17,7 @@
     python benchmarks/bench_generation.py                              # GPU: all parts, llama-3-8b shape
     python benchmarks/bench_generation.py --part speculative --model ~/.cache/exl-backends/SmolLM2-135M-Instruct-exl2-4.0bpw --device cpu
     python benchmarks/bench_generation.py --shape tiny --device cpu --levels 1,4 --max-tokens 16   # CPU smoke
+    python benchmarks/bench_generation.py --part ttft --profile        # where a cached-prefix first token's time goes
 """
 from __future__ import annotations
 
@@ -261,7 +262,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="cached tokens before a speculative step")
     ap.add_argument("--draft-k", default="2,4,7")     # 1 + k <= runner.MAX_TOKENS: a captured verify step
     ap.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="the concurrency jobs' sampling")
-    ap.add_argument("--profile", action="store_true", help="cProfile the last level's jobs after the concurrency runs; profile a cached-prefix first token")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last level's jobs after the concurrency "
+                    "runs; the ttft part: a cached-prefix first token's kernels (torch.profiler) and host functions")
     ap.add_argument("--model", help="a real model directory: measure n-gram tokens/step on it")
     ap.add_argument("--tokens-per-step", type=float, help="n-gram tokens/step measured earlier with --model (every k)")
     args = ap.parse_args()

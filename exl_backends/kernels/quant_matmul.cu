@@ -74,8 +74,9 @@
 //   gemm_k_row), 16-byte aligned; chunk by chunk into a ring of GEMM_STAGES slots of the M tile's rows x GEMM_XS
 //   halves (cp.async, rows past M zero), one __syncthreads per chunk; a warp's A fragments come from the ring by
 //   one ldmatrix.x4 each, already in the registers the MMA reads (two 8-byte loads gave them in another order, and
-//   the register moves that reordered them were a third of the kernel's instructions: NOTES-matmul.md v18). Dynamic shared memory: the split's chunk_meta entries, then the ring at
-//   Params.ring_smem. Dependent launch: weight and record prefetches and the chunk_meta copy before pdl_wait.
+//   the register moves that reordered them were a fifth of the kernel's instructions: NOTES-matmul.md v18).
+//   Dynamic shared memory: the split's chunk_meta entries, then the ring at Params.ring_smem. Dependent launch:
+//   weight and record prefetches and the chunk_meta copy before pdl_wait.
 //   n_splits == 1: y = acc (+ bias). Otherwise fp32 partials ws[(part.ws_offset + split * Np) * M + m * Np + col]
 //   (ws_offset: floats per x row before this part's), summed in split order by gemm_reduce (grid (ceil(M Np / 2 /
 //   256), parts), one column pair per thread), which adds the bias: the "last block reduces" scheme of the small-M
