@@ -127,7 +127,7 @@ constexpr int GEMM_XS = 40;              // halves per x row of a ring slot: 32 
 #ifndef QMM_GEMM_PIPELINE                   // 1: a GEMM warp loads its next chunk's words before computing this one
 #define QMM_GEMM_PIPELINE 0
 #endif
-#ifndef QMM_GEMM_SYNC_CHUNKS                // chunks per GEMM block barrier (2 wants QMM_GEMM_STAGES >= 5)
+#ifndef QMM_GEMM_SYNC_CHUNKS                // chunks per GEMM block barrier (S: QMM_GEMM_STAGES >= 2 S)
 #define QMM_GEMM_SYNC_CHUNKS 1
 #endif
 constexpr int GEMM_SYNC_CHUNKS = QMM_GEMM_SYNC_CHUNKS;
@@ -1250,7 +1250,7 @@ struct GemmSink : NoExtra {
         decode_pairs<B, Fmt>(w, st, b);
 #pragma unroll
         for (int p = 0; p < 16; ++p) b[p] = __hmul2(b[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
-        static_assert(GEMM_STAGES >= 3 * GEMM_SYNC_CHUNKS - 1, "a barrier's chunks and the next ones in flight");
+        static_assert(GEMM_STAGES >= 2 * GEMM_SYNC_CHUNKS, "a barrier's chunks and the ones it stages need slots");
         if (k % GEMM_SYNC_CHUNKS == 0) {
             copy_async_wait<GEMM_STAGES - 2 * GEMM_SYNC_CHUNKS>();
             __syncthreads();
