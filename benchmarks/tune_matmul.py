@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def check() -> float:
         for _ in range(2):
             for w, y in zip(ws, (f._gemm if i >= 4 else f.forward)(x.cuda())):
                 ref = x.float() @ w.dequantize().float().T
-                worst = max(worst, ((y.float().cpu() - ref).norm() / ref.norm()).item())
+                err = ((y.float().cpu() - ref).norm() / ref.norm()).item()
+                worst = max(worst, err if math.isfinite(err) else math.inf)   # max() would drop a NaN
     return worst
 
 

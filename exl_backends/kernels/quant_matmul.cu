@@ -127,10 +127,6 @@ constexpr int GEMM_XS = 40;              // halves per x row of a ring slot: 32 
 #ifndef QMM_GEMM_PIPELINE                   // 1: a GEMM warp loads its next chunk's words before computing this one
 #define QMM_GEMM_PIPELINE 0
 #endif
-#ifndef QMM_GEMM_SYNC_CHUNKS                // chunks per GEMM block barrier (S: QMM_GEMM_STAGES >= 2 S)
-#define QMM_GEMM_SYNC_CHUNKS 1
-#endif
-constexpr int GEMM_SYNC_CHUNKS = QMM_GEMM_SYNC_CHUNKS;
 constexpr int GEMM_WARP_TILES = QMM_GEMM_WARP_TILES;   // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS)
 
 // ------------------------------------------------------------------------------------------- pair layout
@@ -1204,9 +1200,8 @@ struct GemmTile {
 };
 
 // Multiplies x's rows of the block by the warp's strip, chunk by chunk (walk), staging x through the ring: chunk
-// number k of the split is in slot k % GEMM_STAGES. Every GEMM_SYNC_CHUNKS (S) chunks, before computing chunk k,
-// every thread waits for its own copies of chunks k .. k + S - 1, the barrier makes them visible and frees the slots
-// of chunks k - S .. k - 1, which then receive chunks k + GEMM_STAGES - S .. k + GEMM_STAGES - 1.
+// number k of the split is in slot k % GEMM_STAGES; before computing chunk k every thread waits for its own copies
+// of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
 template <class Fmt>
 struct GemmSink : NoExtra {
     static constexpr bool PIPELINE = QMM_GEMM_PIPELINE;   // at 64-row warps: slower (NOTES-matmul.md)
@@ -1250,13 +1245,9 @@ struct GemmSink : NoExtra {
         decode_pairs<B, Fmt>(w, st, b);
 #pragma unroll
         for (int p = 0; p < 16; ++p) b[p] = __hmul2(b[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
-        static_assert(GEMM_STAGES >= 2 * GEMM_SYNC_CHUNKS, "a barrier's chunks and the ones it stages need slots");
-        if (k % GEMM_SYNC_CHUNKS == 0) {
-            copy_async_wait<GEMM_STAGES - 2 * GEMM_SYNC_CHUNKS>();
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < GEMM_SYNC_CHUNKS; ++i) stage(k + GEMM_STAGES - GEMM_SYNC_CHUNKS + i);
-        }
+        copy_async_wait<GEMM_STAGES - 2>();
+        __syncthreads();
+        stage(k + GEMM_STAGES - 1);
         const half* xs = ring + (k % GEMM_STAGES) * slot_halves + a_offset;
         ++k;
 #pragma unroll
@@ -1300,7 +1291,7 @@ __device__ __forceinline__ void gemm_part(const Params& p, const Part& pt, int l
     sink.a_offset = (tile.warp_row0 - tile.row0 + lane % 16) * GEMM_XS + 8 * (lane / 16);   // ldmatrix_x4's rows
     sink.tiles = tile.tiles;
 #pragma unroll
-    for (int n = 0; n < GEMM_STAGES - GEMM_SYNC_CHUNKS; ++n) sink.stage(n);
+    for (int n = 0; n < GEMM_STAGES - 1; ++n) sink.stage(n);
     __syncthreads();                                   // meta_s
     walk<Fmt>(pt, tile.strip, tile.split, meta_s, st, lane, sink);
     copy_async_wait<0>();
