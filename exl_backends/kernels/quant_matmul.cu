@@ -124,9 +124,6 @@ constexpr int GEMM_XS = 40;              // halves per x row of a ring slot: 32 
 #ifndef QMM_GEMM_WARP_TILES                 // benchmarks/tune_matmul.py times 8 (with QMM_GEMM_BLOCKS=1)
 #define QMM_GEMM_WARP_TILES 4
 #endif
-#ifndef QMM_GEMM_PIPELINE                   // 1: a GEMM warp loads its next chunk's words before computing this one
-#define QMM_GEMM_PIPELINE 0
-#endif
 constexpr int GEMM_WARP_TILES = QMM_GEMM_WARP_TILES;   // m16 tiles of x per GEMM warp (quant_matmul.GEMM_WARP_ROWS)
 
 // ------------------------------------------------------------------------------------------- pair layout
@@ -1204,7 +1201,7 @@ struct GemmTile {
 // of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
 template <class Fmt>
 struct GemmSink : NoExtra {
-    static constexpr bool PIPELINE = QMM_GEMM_PIPELINE;   // at 64-row warps: slower (NOTES-matmul.md)
+    static constexpr bool PIPELINE = false;          // loading the next batch first: slower (NOTES-matmul.md)
     static constexpr int BATCH = QMM_GEMM_BATCH;     // chunks per batch (walk_run)
     half* ring;
     int slot_halves;
