@@ -54,7 +54,7 @@ def use_define(define: str) -> None:
             return original(family, cc)
         cp = loader.cupy()
         source = f'#line 1 "{family}.cu"\n' + (loader.KERNEL_DIR / f"{family}.cu").read_text()
-        options = ("-std=c++17", f"-I{loader.KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}",
+        options = ("-std=c++17", f"-I{loader.KERNEL_DIR}", f"--gpu-architecture={loader.arch(cc)}",
                    "--use_fast_math", *(f"-D{d}" for d in define.split("+")))
         mod = cp.RawModule(code=source, options=options, backend="nvrtc")
         mod.compile()
@@ -84,9 +84,10 @@ def check() -> float:
 
 
 def time_gemm(makers: dict, formats: list[str], shapes: list, ms: list[int], variant: str, baseline: dict) -> list:
-    """Rows (variant, format, shape, M, GEMM us, TFLOP/s, dequant + cuBLAS us) of the GEMM path (_gemm; permute_x
-    and the split-K reduce included) at every M, weights rotated from DRAM as bench_matmul does. Dequant + cuBLAS
-    does not depend on the variant: timed once per case (baseline)."""
+    """Rows (variant, format, shape, M, GEMM us, TFLOP/s, wgmma us, dequant + cuBLAS us) of the GEMM path (_gemm;
+    permute_x and the split-K reduce included) at every M, and of the GEMM by wgmma where the GPU has it (compute
+    capability 9.0, up to WGMMA_ROWS rows; else nan), weights rotated from DRAM as bench_matmul does. Dequant +
+    cuBLAS and wgmma do not depend on the variant: timed once per case (baseline)."""
     rows = []
     for fmt in formats:
         for k, n in shapes:
@@ -99,8 +100,10 @@ def time_gemm(makers: dict, formats: list[str], shapes: list, ms: list[int], var
                 us = time_calls([lambda f=f: f._gemm(x) for f in fs]) * 1e6
                 key = (fmt, k, n, m)
                 if key not in baseline:
-                    baseline[key] = time_calls([lambda f=f: f._dequant_matmul(x) for f in fs]) * 1e6
-                rows.append((variant, fmt, f"{k}x{n} M={m}", us, 2 * m * k * n / us / 1e6, baseline[key]))
+                    wg = (time_calls([lambda f=f: f._wgmma(x) for f in fs]) * 1e6
+                          if first.wgmma_plan is not None and m <= qm.WGMMA_ROWS else float("nan"))
+                    baseline[key] = (wg, time_calls([lambda f=f: f._dequant_matmul(x) for f in fs]) * 1e6)
+                rows.append((variant, fmt, f"{k}x{n} M={m}", us, 2 * m * k * n / us / 1e6, *baseline[key]))
                 print(*rows[-1], flush=True)
             del fs, first
             torch.cuda.empty_cache()
@@ -170,10 +173,10 @@ def main() -> None:
     for r in rows:
         print(f"{r[0]:44} {r[1]:12} {r[2]:17} {r[3]:8.2f} us {r[4]:6.1f} %  err {r[5]:.1e}")
     if gemm_rows:
-        print("\n| variant | format | shape | GEMM us | TFLOP/s | dequant + cuBLAS us | err |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| variant | format | shape | GEMM us | TFLOP/s | wgmma us | dequant + cuBLAS us | err |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in gemm_rows:
-            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1e} |")
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.1e} |")
 
 
 if __name__ == "__main__":

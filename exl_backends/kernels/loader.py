@@ -49,12 +49,18 @@ def compute_capability(device: torch.device | None = None) -> tuple[int, int]:
     return cc
 
 
+def arch(cc: tuple[int, int]) -> str:
+    """The NVRTC target for compute capability cc: on 9.0 (H100, H200) sm_90a, whose code runs only there and may use
+    its warpgroup MMA (quant_matmul.cu's wgmma kernels)."""
+    return f"sm_{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
+
+
 @functools.cache
 def module(family: str, cc: tuple[int, int]):
     """The compiled RawModule of `<family>.cu` for compute capability cc (memoised per process)."""
     cp = cupy()
     source = f'#line 1 "{family}.cu"\n' + (KERNEL_DIR / f"{family}.cu").read_text()
-    options = ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture=sm_{cc[0]}{cc[1]}")
+    options = ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture={arch(cc)}")
     if family not in PRECISE_FAMILIES:
         options += ("--use_fast_math",)
     try:

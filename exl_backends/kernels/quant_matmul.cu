@@ -1262,6 +1262,169 @@ struct GemmSink : NoExtra {
     }
 };
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ------------------------------------------------------------------------------------------- GEMM by wgmma (sm_90a)
+// <fmt>_wgmma (WGMMA KERNELS above): the tiled GEMM's plan, walk and decode, with Hopper's asynchronous warpgroup
+// MMA in place of mma.sync. Warps 4h..4h+3 form warpgroup h; per k16 step and column tile t (strip columns
+// 16t..16t+15) a warpgroup issues one m64n128k16 with A = its 4 warps' decoded weights in registers (warp w gives A
+// rows 16w..16w+15 as the mma.sync A fragment the small-M kernels feed: columns are A's rows) and B = WG_N rows of x
+// from the ring (D[column][x row]). Ring slot: a chunk's 32 MMA-ordered columns of WG_N x rows as core matrices of
+// 8 rows x 16 bytes, [row / 8][column / 8][row % 8], no swizzle: a k16 step's B is two core matrices along K 128
+// bytes apart (leading byte offset) and 512 bytes from one 8-row group to the next (stride byte offset).
+constexpr int WG_N = 128;
+#ifndef QMM_WG_WAIT
+#define QMM_WG_WAIT 1
+#endif
+#ifndef QMM_WG_FENCE2
+#define QMM_WG_FENCE2 0
+#endif
+
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr)
+{
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (unsigned long long)(128 >> 4) << 16 |
+           (unsigned long long)(512 >> 4) << 32;
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// d += A (registers a0..a3: per warp the m16n8k16 A fragment) x B (descriptor), m64n128k16, fp32 accumulators.
+__device__ __forceinline__ void wgmma_128(float (&d)[64], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned long long desc)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+
+// Per chunk: decode (as GemmSink), then, once every thread's copies of the chunk's x have landed and every
+// warpgroup has waited for its MMAs of chunk k - 2 (the barrier), the slot of chunk k - 2 takes chunk
+// k + GEMM_STAGES - 2, and the chunk's 4 MMAs go out; the warpgroup then waits for those of chunk k - 1 only.
+template <class Fmt>
+struct WgmmaSink : NoExtra {
+    static constexpr bool PIPELINE = false;    // pipelined batches: ptxas serializes the MMAs, no faster (v19)
+    static constexpr int BATCH = 1;
+    half* ring;              // GEMM_STAGES slots of WG_N x 32 halves
+    const half* x;
+    int K, M, row0, c0, c1;
+    int k = 0;               // chunks consumed
+    int group = -1;
+    typename Fmt::State st;
+    half2 scale[4];
+    float acc[2][64] = {};   // [column tile t][4i + 2h + e]: column 16t + g + 8h, x row 8i + 2q + e
+
+    // Chunk c0 + n into slot n % GEMM_STAGES (copy i: row 8 (i / 32) + i % 8, columns 8 (i / 8 % 4) ..): one
+    // commit group per call, also when empty.
+    __device__ void stage(int n)
+    {
+        if (c0 + n < c1) {
+            half* slot = ring + (n % GEMM_STAGES) * (WG_N * 32);
+            const int col = 32 * (c0 + n);
+            for (int i = threadIdx.x; i < WG_N * 4; i += THREADS) {
+                const int r = 8 * (i / 32) + i % 8, seg = i / 8 % 4, m = row0 + r;
+                copy_async16(slot + 8 * i, x + (size_t)min(m, M - 1) * K + col + 8 * seg, m < M);
+            }
+        }
+        copy_async_commit();
+    }
+
+    template <int B>
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int, Extra)
+    {
+        if (group_key != group) {
+            Fmt::template enter<B>(raw, threadIdx.x % 32 / 4, st);
+            scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
+            scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
+            group = group_key;
+        }
+        half2 a[16];
+        decode_pairs<B, Fmt>(w, st, a);
+#pragma unroll
+        for (int p = 0; p < 16; ++p) a[p] = __hmul2(a[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
+        copy_async_wait<GEMM_STAGES - 3>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // the copies, to wgmma's async proxy
+        __syncthreads();
+#if QMM_WG_FENCE2
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+        stage(k + GEMM_STAGES - 2);
+        const unsigned base = smem_address(ring + (k % GEMM_STAGES) * (WG_N * 32));
+        ++k;
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                wgmma_128(acc[t], as_bits(a[8 * t + 2 * s]), as_bits(a[8 * t + 4 + 2 * s]),
+                          as_bits(a[8 * t + 2 * s + 1]), as_bits(a[8 * t + 4 + 2 * s + 1]), wg_desc(base + 256 * s));
+        wg_commit();
+        wg_wait<QMM_WG_WAIT>();
+    }
+};
+
+// Block `local` of part pt: as gemm_part, for a plan of one row group and one M tile of at most WG_N rows.
+template <class Fmt>
+__device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
+                                           float* ws)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    int2* meta_s = reinterpret_cast<int2*>(smem);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const GemmTile tile(p, pt, local, M, warp);
+    const int c0 = pt.split_chunk[tile.split], c1 = pt.split_chunk[tile.split + 1];
+
+    Stream st;                                         // DRAM reads first (weights only)
+    start_stream(st, pt, tile.strip, tile.split, lane);
+    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);
+    pdl_wait();                                        // x and ws belong to earlier kernels
+
+    WgmmaSink<Fmt> sink;
+    sink.ring = reinterpret_cast<half*>(smem + p.ring_smem);
+    sink.x = x;
+    sink.K = p.K; sink.M = M; sink.row0 = tile.row0; sink.c0 = c0; sink.c1 = c1;
+#pragma unroll
+    for (int n = 0; n < GEMM_STAGES - 2; ++n) sink.stage(n);
+    __syncthreads();                                   // meta_s
+    walk<Fmt>(pt, tile.strip, tile.split, meta_s, st, lane, sink);
+    wg_wait<0>();
+    copy_async_wait<0>();
+    if (!tile.writes) return;
+
+    const int N = pt.n, Np = pt.np;
+    float* part = pt.n_splits > 1 ? ws + (size_t)tile.split * M * Np : nullptr;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < WG_N / 8; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 8 * i + 2 * q + e, m = tile.row0 + r, col = tile.strip * 32 + 16 * t + 8 * h + g;
+                    if (r >= tile.rows || m >= M) continue;
+                    const float v = sink.acc[t][4 * i + 2 * h + e];
+                    if (part)
+                        part[(size_t)m * Np + col] = v;
+                    else if (col < N)
+                        y[(size_t)m * N + col] = __float2half_rn(v + bias_at(pt.bias, col));
+                }
+}
+
+template <class Fmt>
+__device__ __forceinline__ void wgmma(const Params& p, int M, const half* x0, const half* x1, const half* x2,
+                                      half* y0, half* y1, half* y2, float* ws)
+{
+    const int pi = part_of(p, blockIdx.x);
+    const Part& pt = p.part[pi];
+    wgmma_part<Fmt>(p, pt, blockIdx.x - pt.block0, M, pi == 0 ? x0 : pi == 1 ? x1 : x2,
+                    pi == 0 ? y0 : pi == 1 ? y1 : y2, ws ? ws + (size_t)pt.ws_offset * M : ws);
+}
+#endif
+
 // Block `local` of part pt: y [M, pt.n] (+ bias) = x [M, K] (stored order) @ W^T, or its split's fp32 partials to
 // ws (this part's, [n_splits][M][Np]).
 template <class Fmt>
@@ -1444,6 +1607,25 @@ QMM_DEQUANT(gptq_dequant, qmm::Gptq)
 
 QMM_GEMM(exl2_gemm, qmm::Exl2)
 QMM_GEMM(gptq_gemm, qmm::Gptq)
+
+// The GEMM by wgmma (qmm::wgmma): arguments and shared memory as the GEMM's, one block per SM (~255 registers). Only
+// an sm_90a build has its body (the loader compiles for sm_90a on compute capability 9.0, and the launcher calls it
+// only there); elsewhere it traps.
+#define QMM_WGMMA(NAME, FMT)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 1)                                                      \
+    NAME(const __grid_constant__ qmm::Params p, int M, const half* x0, const half* x1, const half* x2, half* y0,     \
+         half* y1, half* y2, float* ws)                                                                                \
+    {                                                                                                                  \
+        QMM_WGMMA_BODY(FMT)                                                                                           \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QMM_WGMMA_BODY(FMT) exl::pdl_trigger(); qmm::wgmma<FMT>(p, M, x0, x1, x2, y0, y1, y2, ws);
+#else
+#define QMM_WGMMA_BODY(FMT) __trap();
+#endif
+
+QMM_WGMMA(exl2_wgmma, qmm::Exl2)
+QMM_WGMMA(gptq_wgmma, qmm::Gptq)
 
 // grid (ceil(M * max Np / 512), parts), block 256: the GEMM's split partials summed into y (qmm::gemm_reduce).
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)

@@ -57,6 +57,14 @@ LARGE_M = 17
 # 128 rows 90 / 86, 88 / 89, 33 / 30; 208 rows 157 / 90 (the GEMM runs mma.sync at ~150-190 TFLOP/s): the
 # crossover lies between 64 and 128.
 GEMM_MAX_M = 96
+# On compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (quant_matmul.cu
+# <fmt>_wgmma: one M tile of WGMMA_ROWS rows, one block per SM). H200, tune_matmul.py --gemm, EXL2 4.0 bpw, us
+# wgmma / mma.sync GEMM / dequant + cuBLAS (NOTES-matmul.md v19): 4096 x 14336 at 64 rows 54.8 / 47.7 / 85.1, 100
+# rows 59.3 / 82.7 / 86.3, 128 rows 64.9 / 85.0 / 86.9, 208 rows 108.1 / 148.0 / 91.2; 14336 x 4096 at 100 rows
+# 62.4 / 85.7 / 89.5; 4096 x 4096 at 100 rows 26.7 / 30.2 / 27.6.
+WGMMA_MIN_M = 65
+WGMMA_MAX_M = 128
+WGMMA_ROWS = 128                # x rows of a wgmma block (quant_matmul.cu WG_N)
 GEMM_ROWS_LIMIT = 512           # the most rows QuantMatmul._gemm is planned for (benchmarks time past GEMM_MAX_M)
 GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (quant_matmul.cu GEMM_WARP_TILES m16 tiles)
 # Warps per strip above GEMM_WARP_ROWS rows: 2 gives blocks of 128 columns x 128 rows (each weight decoded by both
@@ -117,6 +125,8 @@ MATMUL_KERNELS = {   # (format, rows-of-x class) -> entry point of quant_matmul.
 }
 DEQUANT_KERNELS = {Format.EXL2: "exl2_dequant", Format.GPTQ: "gptq_dequant"}
 GEMM_KERNELS = {Format.EXL2: "exl2_gemm", Format.GPTQ: "gptq_gemm"}
+WGMMA_KERNELS = {Format.EXL2: "exl2_wgmma", Format.GPTQ: "gptq_wgmma"}
+WGMMA_CC = (9, 0)               # the compute capability the loader compiles sm_90a for (loader.arch)
 MOE_KERNELS = {   # (format, rows per pass) -> MoE entry point of quant_matmul.cu (qmm::moe_matmul)
     (Format.EXL2, 1): "exl2_moe_m1", (Format.EXL2, 16): "exl2_moe_m16",
     (Format.GPTQ, 1): "gptq_moe_m1", (Format.GPTQ, 16): "gptq_moe_m16",
@@ -526,6 +536,22 @@ def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tup
     return Plan(GEMM_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
 
+def plan_wgmma(layouts: list[LaneLayout], biases: list[Tensor | None], n_sm: int) -> Plan:
+    """The launch of the GEMM by wgmma for up to WGMMA_ROWS rows: the tiled GEMM's Params with one row group and one M
+    tile, K split until the blocks (one per SM) fill a wave; its ring: GEMM_STAGES slots of WGMMA_ROWS x CHUNK
+    halves."""
+    tiles = sum(-(-lay.strips // WARPS) for lay in layouts)
+    want = n_sm // tiles
+    splits = [max(1, min(want, len(lay.chunk_bits) // GEMM_MIN_CHUNKS, MAX_SPLITS)) for lay in layouts]
+    p = np.zeros((), PARAMS_DTYPE)
+    blocks, ws, starts_all = _fill_parts(p, layouts, biases, [None] * len(layouts), splits, WARPS, 1, 1)
+    p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, 1, 1
+    chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
+    p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
+    smem = int(p["ring_smem"]) + GEMM_STAGES * WGMMA_ROWS * CHUNK * 2
+    return Plan(WGMMA_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
+
+
 def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
     splits = choose_splits([layout], 1, n_sm, DEQUANT_RESIDENT, 0)
     return make_plan(DEQUANT_KERNELS[layout.fmt], [layout], [None], [None], splits, 0)
@@ -553,6 +579,8 @@ class QuantMatmul:
         self.dequant_plans = [plan_dequant(lay, n_sm) for lay in layouts]
         shapes = {gemm_shape(rows) for rows in range(LARGE_M, GEMM_ROWS_LIMIT + 1)}
         self.gemm_plans = {shape: plan_gemm(layouts, self.biases, shape, n_sm) for shape in shapes}
+        cc = torch.cuda.get_device_capability(device)
+        self.wgmma_plan = plan_wgmma(layouts, self.biases, n_sm) if cc == WGMMA_CC else None
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
@@ -598,9 +626,11 @@ class QuantMatmul:
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)], new.reshape(*lead, self.k)
 
     def _path(self, rows: int):
-        """The method that multiplies `rows` rows of x (LARGE_M, GEMM_MAX_M)."""
+        """The method that multiplies `rows` rows of x (LARGE_M, GEMM_MAX_M, WGMMA_MIN_M)."""
         if rows < LARGE_M:
             return self._small
+        if self.wgmma_plan is not None and WGMMA_MIN_M <= rows <= WGMMA_MAX_M:
+            return self._wgmma
         return self._gemm if rows <= GEMM_MAX_M else self._dequant_matmul
 
     def _small(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
@@ -645,10 +675,19 @@ class QuantMatmul:
         return self.ws1
 
     def _gemm(self, x: Tensor) -> list[Tensor]:
-        """The tiled GEMM (quant_matmul.cu GEMM KERNELS), for up to GEMM_ROWS_LIMIT rows; its split partials, if
-        any, summed by a second launch."""
+        """The tiled GEMM (quant_matmul.cu GEMM KERNELS), for up to GEMM_ROWS_LIMIT rows."""
+        return self._tiled(x, self.gemm_plans[gemm_shape(x.shape[0])])
+
+    def _wgmma(self, x: Tensor) -> list[Tensor]:
+        """The GEMM by wgmma (compute capability 9.0 only), for up to WGMMA_ROWS rows."""
+        if x.shape[0] > WGMMA_ROWS:
+            raise ValueError(f"the wgmma GEMM takes at most {WGMMA_ROWS} rows of x, got {x.shape[0]}")
+        return self._tiled(x, self.wgmma_plan)
+
+    def _tiled(self, x: Tensor, plan: Plan) -> list[Tensor]:
+        """A tiled GEMM launch (x in each part's stored order first); its split partials, if any, summed by a
+        second launch."""
         m = x.shape[0]
-        plan = self.gemm_plans[gemm_shape(m)]
         xs = self._stored_order(x, plan)
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))

@@ -247,12 +247,27 @@ def test_gemm_warps_cover_every_row_once_within_their_registers(row_groups, monk
         assert shape[0] == (1 if rows <= qm.GEMM_WARP_ROWS else qm.GEMM_ROW_GROUPS)
 
 
-def test_forward_picks_the_path_from_the_rows_alone():
-    paths = SimpleNamespace(_small="small", _gemm="gemm", _dequant_matmul="dequant")
+@pytest.mark.parametrize("wgmma", [False, True])      # compute capability 9.0 or not
+def test_forward_picks_the_path_from_the_rows_alone(wgmma):
+    paths = SimpleNamespace(_small="small", _gemm="gemm", _wgmma="wgmma", _dequant_matmul="dequant",
+                            wgmma_plan="plan" if wgmma else None)
     picked = {rows: qm.QuantMatmul._path(paths, rows) for rows in range(1, 600)}
+    wgmma_rows = set(range(qm.WGMMA_MIN_M, qm.WGMMA_MAX_M + 1)) if wgmma else set()
     assert {r for r, p in picked.items() if p == "small"} == set(range(1, qm.LARGE_M))
-    assert {r for r, p in picked.items() if p == "gemm"} == set(range(qm.LARGE_M, qm.GEMM_MAX_M + 1))
-    assert qm.GEMM_MAX_M <= qm.GEMM_ROWS_LIMIT
+    assert {r for r, p in picked.items() if p == "gemm"} == set(range(qm.LARGE_M, qm.GEMM_MAX_M + 1)) - wgmma_rows
+    assert {r for r, p in picked.items() if p == "wgmma"} == wgmma_rows
+    assert qm.GEMM_MAX_M <= qm.GEMM_ROWS_LIMIT and qm.LARGE_M < qm.WGMMA_MIN_M
+    assert qm.WGMMA_MAX_M <= qm.WGMMA_ROWS
+
+
+@pytest.mark.parametrize("n,splits", [(14336, 2), (4096, 8), (517, 16)])
+def test_wgmma_plans_fill_one_wave_of_one_block_per_sm(n, splits):
+    lay = qm.exl2_layout(synthetic.random_exl2(4096, n, "4b_128g", seed=n))
+    plan = qm.plan_wgmma([lay], [None], n_sm=132)
+    p = plan.params
+    assert plan.kernel == "exl2_wgmma" and int(p["row_groups"]) == 1 and int(p["m_tiles"]) == 1
+    assert int(p["part"][0]["n_splits"]) == splits and plan.blocks == -(-lay.strips // qm.WARPS) * splits <= 132
+    assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * qm.WGMMA_ROWS * qm.CHUNK * 2 <= 99 * 1024
 
 
 @pytest.mark.parametrize("rows", [17, 64, 65, 208, 256, 512])
@@ -643,22 +658,34 @@ def test_fused_weights_match_each_weight(m):
 GEMM_ROWS = [16, 17, 33, 47, 64, 100, 129, 208, 256, 300]
 
 
-def check_gemm(weights: list, m: int, biases: list, seed: int = 0, splits: str = "any") -> list[torch.Tensor]:
-    """The GEMM (for LARGE_M <= m <= GEMM_MAX_M asserted to be the path forward takes; otherwise called directly: it
-    is planned from LARGE_M - 1 rows (a shape LARGE_M shares) up to GEMM_ROWS_LIMIT) of one or more fused weights against the reference, twice on poisoned memory;
-    returns the outputs. splits: "one" / "several" asserts the plan's K split."""
+def on_wgmma_gpu(test):
+    """A GPU test that needs the GEMM by wgmma (compute capability 9.0)."""
+    wgmma = torch.cuda.is_available() and torch.cuda.get_device_capability() == qm.WGMMA_CC
+    return on_gpu(pytest.mark.skipif(not wgmma, reason="the wgmma GEMM runs on compute capability 9.0 only")(test))
+
+
+def check_gemm(weights: list, m: int, biases: list, seed: int = 0, splits: str = "any",
+               wgmma: bool = False) -> list[torch.Tensor]:
+    """The tiled GEMM (or with wgmma, the GEMM by wgmma) of one or more fused weights against the reference, twice on
+    poisoned memory; returns the outputs. Asserts which rows forward sends there; others call it directly (the GEMM is
+    planned from LARGE_M - 1 rows, a shape LARGE_M shares, up to GEMM_ROWS_LIMIT; wgmma up to WGMMA_ROWS). splits:
+    "one" / "several" asserts the plan's K split."""
     gen = torch.Generator().manual_seed(seed)
     k = weights[0].in_features
     x = torch.randn(m, k, generator=gen).half()
     fs = [qm.prepare(w.to(torch.device("cuda")), None if b is None else b.cuda()) for w, b in zip(weights, biases)]
     f = fs[0] if len(fs) == 1 else qm.fuse(fs)
-    assert (f._path(m) == f._gemm) == (qm.LARGE_M <= m <= qm.GEMM_MAX_M)
-    plan = f.gemm_plans[qm.gemm_shape(m)]
+    in_wgmma = f.wgmma_plan is not None and qm.WGMMA_MIN_M <= m <= qm.WGMMA_MAX_M
+    if wgmma:
+        assert (f._path(m) == f._wgmma) == in_wgmma
+    else:
+        assert (f._path(m) == f._gemm) == (qm.LARGE_M <= m <= qm.GEMM_MAX_M and not in_wgmma)
+    plan = f.wgmma_plan if wgmma else f.gemm_plans[qm.gemm_shape(m)]
     n_splits = [int(part["n_splits"]) for part in plan.params["part"][:len(weights)]]
     assert splits == "any" or (max(n_splits) == 1) == (splits == "one"), n_splits
     for _ in range(2):
         poison_allocator()
-        ys = [y.float().cpu() for y in f._gemm(x.cuda())]
+        ys = [y.float().cpu() for y in (f._wgmma if wgmma else f._gemm)(x.cuda())]
         for w, b, y in zip(weights, biases, ys):
             ref = x.float() @ w.dequantize().float().T + (0 if b is None else b.float())
             assert y.shape == ref.shape and torch.isfinite(y).all()
@@ -733,12 +760,69 @@ def test_gemm_agrees_with_dequant_and_cublas(m):
 
 
 @on_gpu
-def test_rows_past_gemm_max_m_go_to_dequant_and_cublas():
-    m = qm.GEMM_MAX_M + 1
+def test_rows_past_the_tiled_gemms_go_to_dequant_and_cublas():
     w = synthetic.random_exl2(416, 96, "4b_128g", seed=9)
     f = qm.prepare(w.to(torch.device("cuda")), None)
-    assert f._path(m) == f._dequant_matmul and f._path(m - 1) == f._gemm
-    check_matmul(w, m, bias=True)
+    last, tiled = (qm.WGMMA_MAX_M, f._wgmma) if f.wgmma_plan is not None else (qm.GEMM_MAX_M, f._gemm)
+    assert f._path(last + 1) == f._dequant_matmul and f._path(last) == tiled
+    check_matmul(w, last + 1, bias=True)
+
+
+# ----------------------------------------------------------------------------------------------- GPU: wgmma GEMM
+
+WGMMA_ROWS = [17, 33, 64, 65, 100, 127, 128]
+
+
+@on_wgmma_gpu
+@pytest.mark.parametrize("m", WGMMA_ROWS)
+@pytest.mark.parametrize("k,n,splits", [(4128, 517, "several"), (416, 4128, "one")])
+def test_wgmma_exl2_4bpw(m, k, n, splits):
+    w = synthetic.random_exl2(k, n, "4b_128g", seed=m)
+    check_gemm([w], m, [bias_for(n, m) if m % 2 else None], seed=m, splits=splits, wgmma=True)
+
+
+@on_wgmma_gpu
+@pytest.mark.parametrize("mix", EXL2_MIXES)
+@pytest.mark.parametrize("m", [47, 100])
+def test_wgmma_exl2_every_width_and_mix(mix, m):
+    check_gemm([synthetic.random_exl2(1056, 96, mix, seed=m)], m, [bias_for(96, m)], seed=m, wgmma=True)
+
+
+@on_wgmma_gpu
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("m", [65, 113])
+def test_wgmma_gptq_4bit_g128(act_order, m):
+    w = synthetic.random_gptq(4096, 416, 4, 128, act_order, sym=False, seed=m)
+    check_gemm([w], m, [bias_for(416, m)], seed=m, wgmma=True)
+
+
+@on_wgmma_gpu
+@pytest.mark.parametrize("bits", [2, 3, 8])
+@pytest.mark.parametrize("group_size,act_order,sym", [(32, True, False), (-1, False, True)])
+def test_wgmma_gptq_other_widths(bits, group_size, act_order, sym):
+    w = synthetic.random_gptq(416, 128 if bits == 3 else 80, bits, group_size, act_order, sym, seed=bits, v2=not sym)
+    check_gemm([w], 90, [None], seed=bits, wgmma=True)
+
+
+@on_wgmma_gpu
+@pytest.mark.parametrize("m", [33, 100])
+def test_wgmma_fused_three_parts_with_bias(m):
+    k = 4128
+    weights = [synthetic.random_exl2(k, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+               synthetic.random_exl2(k, 517, "0.1:3b_64g/0.9:2b_64g", seed=2),
+               synthetic.random_exl2(k, 40, "6b_32g", seed=3)]
+    check_gemm(weights, m, [bias_for(96, m), None, bias_for(40, m + 1)], seed=m, wgmma=True)
+
+
+@on_wgmma_gpu
+def test_wgmma_agrees_with_the_mma_sync_gemm():
+    w = synthetic.random_exl2(4128, 517, "0.05:8b_32g/0.95:4b_128g", seed=5)
+    f = qm.prepare(w.to(torch.device("cuda")), bias_for(517, 5).cuda())
+    x = torch.randn(100, 4128, generator=torch.Generator().manual_seed(5)).half().cuda()
+    (wg,), (mma,) = f._wgmma(x), f._gemm(x)
+    wg, mma = wg.float(), mma.float()
+    assert ((wg - mma).norm() / mma.norm()).item() < 5e-4
+    assert (wg - mma).abs().max() <= 2e-3 * mma.abs().max()
 
 
 @on_gpu

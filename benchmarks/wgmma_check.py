@@ -1,0 +1,38 @@
+"""Diagnostic: the wgmma GEMM against the reference under compile-time variants; per-strip error pattern."""
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import tune_matmul as tm
+from exl_backends.formats import synthetic
+from exl_backends.kernels import quant_matmul as qm
+
+def case(k, ns, mix, m, seed):
+    ws = [synthetic.random_exl2(k, n, mix, seed=seed + n) for n in ns]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).half()
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in ws])
+    out = []
+    for rep in range(2):
+        ys = f._wgmma(x.cuda())
+        torch.cuda.synchronize()
+        for w, y in zip(ws, ys):
+            y = y.float().cpu()
+            ref = x.float() @ w.dequantize().float().T
+            bad = ~torch.isfinite(y) | ((y - ref).abs() > 0.02 * ref.abs().max())
+            strips = bad.any(0).view(-1)
+            badcols = bad.any(0).nonzero().view(-1)
+            per_strip = sorted({int(c) // 32 for c in badcols})
+            sub = sorted({(int(c) % 32) // 16 * 2 + (int(c) % 16) // 8 for c in badcols})   # tile t, half h
+            rows = bad.any(1).nonzero().view(-1)
+            out.append(f"rep{rep} n={w.out_features} badfrac={bad.float().mean():.3f} nan={int((~torch.isfinite(y)).sum())} "
+                       f"strips={per_strip[:12]}{'...' if len(per_strip) > 12 else ''} (of {-(-w.out_features // 32)}) "
+                       f"sub(t,h)={sub} rows={rows[:5].tolist()}..{rows[-3:].tolist()} nrows={len(rows)}")
+    return out
+
+for d in sys.argv[1].split(","):
+    tm.use_define(d)
+    print("==", d or "default", flush=True)
+    for args in [(416, (4128,), "4b_128g", 100, 1), (4128, (517,), "4b_128g", 47, 2), (1056, (96, 40), "6b_32g", 100, 3)]:
+        try:
+            for line in case(*args):
+                print("  ", args[:4], line, flush=True)
+        except Exception as e:
+            print("  ", args[:4], "ERROR", repr(e)[:300], flush=True)
