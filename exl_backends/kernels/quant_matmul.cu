@@ -1300,6 +1300,22 @@ __device__ __forceinline__ void wgmma_128(float (&d)[64], unsigned a0, unsigned 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 
+// d += A (descriptor) x B (descriptor), m64n128k16, fp32 accumulators: both operands K-major in shared memory.
+__device__ __forceinline__ void wgmma_ss_128(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b));
+}
+
+#ifndef QMM_WG_SS                           // 1: A (the decoded weights) through shared memory too (v19)
+#define QMM_WG_SS 1
+#endif
+#if QMM_WG_SS
+constexpr int WG_A_STRIP = 4 * 4 * 128;     // bytes of a strip's decoded chunk: [column / 8][k / 8][8 rows x 16 B]
+#endif
+
 // Per chunk: decode (as GemmSink), then, once every thread's copies of the chunk's x have landed and every
 // warpgroup has waited for its MMAs of chunk k - 2 (the barrier), the slot of chunk k - 2 takes chunk
 // k + GEMM_STAGES - 2, and the chunk's 4 MMAs go out; the warpgroup then waits for those of chunk k - 1 only.
@@ -1308,6 +1324,7 @@ struct WgmmaSink : NoExtra {
     static constexpr bool PIPELINE = false;    // pipelined batches: ptxas serializes the MMAs, no faster (v19)
     static constexpr int BATCH = 1;
     half* ring;              // GEMM_STAGES slots of WG_N x 32 halves
+    unsigned char* aring;    // QMM_WG_SS: 2 slots of WARPS strips' decoded chunks (WG_A_STRIP bytes each)
     const half* x;
     int K, M, row0, c0, c1;
     int k = 0;               // chunks consumed
@@ -1344,6 +1361,15 @@ struct WgmmaSink : NoExtra {
         decode_pairs<B, Fmt>(w, st, a);
 #pragma unroll
         for (int p = 0; p < 16; ++p) a[p] = __hmul2(a[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
+#if QMM_WG_SS
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        // pair (j, s, h) of lane 4g + q: A[column col(j)][MMA k 16s + 8h + 2q + e], core matrix (j, 2s + h) of the
+        // strip, row g, bytes 4q.. (the slot's last readers, chunk k - 2's wgmmas, are this warpgroup's: waited for)
+        unsigned char* as = aring + (k % 2) * (WARPS * WG_A_STRIP) + warp * WG_A_STRIP + lane / 4 * 16 + lane % 4 * 4;
+#pragma unroll
+        for (int p = 0; p < 16; ++p)
+            *reinterpret_cast<unsigned*>(as + (p / 4 * 4 + p / 2 % 2 * 2 + p % 2) * 128) = as_bits(a[p]);
+#endif
         copy_async_wait<GEMM_STAGES - 3>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // the copies, to wgmma's async proxy
         __syncthreads();
@@ -1354,12 +1380,23 @@ struct WgmmaSink : NoExtra {
         const unsigned base = smem_address(ring + (k % GEMM_STAGES) * (WG_N * 32));
         ++k;
         wg_fence();
+#if QMM_WG_SS
+        // tile t of warpgroup h: strips 4h + 2t, 4h + 2t + 1 (64 columns = 8 core-matrix rows 512 bytes apart)
+        const unsigned abase = smem_address(aring + ((k - 1) % 2) * (WARPS * WG_A_STRIP) +
+                                            (warp / 4 * 4) * WG_A_STRIP);
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                wgmma_ss_128(acc[t], wg_desc(abase + 2 * t * WG_A_STRIP + 256 * s), wg_desc(base + 256 * s));
+#else
 #pragma unroll
         for (int s = 0; s < 2; ++s)
 #pragma unroll
             for (int t = 0; t < 2; ++t)
                 wgmma_128(acc[t], as_bits(a[8 * t + 2 * s]), as_bits(a[8 * t + 4 + 2 * s]),
                           as_bits(a[8 * t + 2 * s + 1]), as_bits(a[8 * t + 4 + 2 * s + 1]), wg_desc(base + 256 * s));
+#endif
         wg_commit();
         wg_wait<QMM_WG_WAIT>();
     }
@@ -1384,6 +1421,7 @@ __device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int 
 
     WgmmaSink<Fmt> sink;
     sink.ring = reinterpret_cast<half*>(smem + p.ring_smem);
+    sink.aring = smem + p.ring_smem + GEMM_STAGES * WG_N * 64;    // (QMM_WG_SS)
     sink.x = x;
     sink.K = p.K; sink.M = M; sink.row0 = tile.row0; sink.c0 = c0; sink.c1 = c1;
 #pragma unroll
@@ -1392,10 +1430,17 @@ __device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int 
     walk<Fmt>(pt, tile.strip, tile.split, meta_s, st, lane, sink);
     wg_wait<0>();
     copy_async_wait<0>();
+#if !QMM_WG_SS
     if (!tile.writes) return;
+#endif
 
     const int N = pt.n, Np = pt.np;
     float* part = pt.n_splits > 1 ? ws + (size_t)tile.split * M * Np : nullptr;
+    // the accumulators' columns: with A in registers the warp's own strip (column 16t + 8h + g); from shared
+    // memory, D rows 16 (warp % 4) + g + 8h of tile t: strip 4 (warp / 4) + 2t + warp % 4 / 2 of the block
+#if QMM_WG_SS
+    const int strip0 = local % pt.col_blocks * WARPS;
+#endif
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -1404,8 +1449,14 @@ __device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int 
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int r = 8 * i + 2 * q + e, m = tile.row0 + r, col = tile.strip * 32 + 16 * t + 8 * h + g;
-                    if (r >= tile.rows || m >= M) continue;
+#if QMM_WG_SS
+                    const int strip = strip0 + warp / 4 * 4 + 2 * t + warp % 4 / 2;
+                    const int col = strip * 32 + warp % 2 * 16 + 8 * h + g;
+#else
+                    const int strip = tile.strip, col = strip * 32 + 16 * t + 8 * h + g;
+#endif
+                    const int r = 8 * i + 2 * q + e, m = tile.row0 + r;
+                    if (r >= tile.rows || m >= M || strip >= pt.strips) continue;
                     const float v = sink.acc[t][4 * i + 2 * h + e];
                     if (part)
                         part[(size_t)m * Np + col] = v;

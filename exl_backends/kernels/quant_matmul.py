@@ -65,6 +65,7 @@ GEMM_MAX_M = 96
 WGMMA_MIN_M = 65
 WGMMA_MAX_M = 128
 WGMMA_ROWS = 128                # x rows of a wgmma block (quant_matmul.cu WG_N)
+WGMMA_A_RING = 2 * WARPS * CHUNK * STRIP * 2   # bytes of the decoded weights' 2 slots (quant_matmul.cu QMM_WG_SS)
 GEMM_ROWS_LIMIT = 512           # the most rows QuantMatmul._gemm is planned for (benchmarks time past GEMM_MAX_M)
 GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (quant_matmul.cu GEMM_WARP_TILES m16 tiles)
 # Warps per strip above GEMM_WARP_ROWS rows: 2 gives blocks of 128 columns x 128 rows (each weight decoded by both
@@ -548,7 +549,7 @@ def plan_wgmma(layouts: list[LaneLayout], biases: list[Tensor | None], n_sm: int
     p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, 1, 1
     chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
     p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
-    smem = int(p["ring_smem"]) + GEMM_STAGES * WGMMA_ROWS * CHUNK * 2
+    smem = int(p["ring_smem"]) + GEMM_STAGES * WGMMA_ROWS * CHUNK * 2 + WGMMA_A_RING
     return Plan(WGMMA_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
 

@@ -267,7 +267,8 @@ def test_wgmma_plans_fill_one_wave_of_one_block_per_sm(n, splits):
     p = plan.params
     assert plan.kernel == "exl2_wgmma" and int(p["row_groups"]) == 1 and int(p["m_tiles"]) == 1
     assert int(p["part"][0]["n_splits"]) == splits and plan.blocks == -(-lay.strips // qm.WARPS) * splits <= 132
-    assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * qm.WGMMA_ROWS * qm.CHUNK * 2 <= 99 * 1024
+    assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * qm.WGMMA_ROWS * qm.CHUNK * 2 + qm.WGMMA_A_RING
+    assert plan.smem <= 99 * 1024
 
 
 @pytest.mark.parametrize("rows", [17, 64, 65, 208, 256, 512])
