@@ -23,7 +23,6 @@ def case(k, ns, mix, m, seed):
             y = y.float().cpu()
             ref = x.float() @ w.dequantize().float().T
             bad = ~torch.isfinite(y) | ((y - ref).abs() > 0.02 * ref.abs().max())
-            strips = bad.any(0).view(-1)
             badcols = bad.any(0).nonzero().view(-1)
             per_strip = sorted({int(c) // 32 for c in badcols})
             sub = sorted({(int(c) % 32) // 16 * 2 + (int(c) % 16) // 8 for c in badcols})   # tile t, half h
@@ -33,9 +32,20 @@ def case(k, ns, mix, m, seed):
                        f"sub(t,h)={sub} rows={rows[:5].tolist()}..{rows[-3:].tolist()} nrows={len(rows)}")
     return out
 
+def timing(k, n, m):
+    """us of _wgmma and _gemm at m rows of k x n (4.0 bpw), weights rotated from DRAM as bench_matmul does."""
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    fs = [qm.prepare(tm.exl2_weight(k, n, "4b_128g", gen), None) for _ in range(4)]
+    x = torch.randn(m, k, device="cuda").half()
+    return [tm.time_calls([lambda f=f: getattr(f, path)(x) for f in fs]) * 1e6 for path in ("_wgmma", "_gemm")]
+
+
 for d in sys.argv[1].split(","):
     tm.use_define(d)
     print("==", d or "default", flush=True)
+    for k, n, m in [(4096, 14336, 100), (14336, 4096, 100), (4096, 4096, 128)]:
+        wg, mma = timing(k, n, m)
+        print(f"   {k}x{n} M={m}: wgmma {wg:.1f} us, mma.sync GEMM {mma:.1f} us", flush=True)
     for args in [(416, (4128,), "4b_128g", 100, 1), (4128, (517,), "4b_128g", 47, 2), (1056, (96, 40), "6b_32g", 100, 3)]:
         try:
             for line in case(*args):
