@@ -1,10 +1,10 @@
 """Diagnostic (NOTES-matmul v19): the wgmma GEMM against the reference under compile-time variants, with the pattern
 of its wrong outputs (strips, 16-column tiles t and halves h, rows). Run from a tree of this branch on an H100/H200:
 
-    PYTHONPATH=$PWD python3 benchmarks/wgmma_check.py ",QMM_WG_SS=0,QMM_WG_SS=0+QMM_WG_WAIT=0"
+    PYTHONPATH=$PWD python3 benchmarks/wgmma_check.py ",QMM_WG_PIPELINE=1,QMM_WG_SS=0,QMM_WG_SS=0+QMM_WG_WAIT=0"
 
-("": A through shared memory; QMM_WG_SS=0: A in registers, the variant that failed; + QMM_WG_WAIT=0: no wgmma in
-flight past its chunk.)"""
+("": A through shared memory; QMM_WG_PIPELINE=1: and the next chunk's words loading while this one decodes;
+QMM_WG_SS=0: A in registers, the variant that failed; + QMM_WG_WAIT=0: no wgmma in flight past its chunk.)"""
 import sys, torch
 sys.path.insert(0, "benchmarks")
 import tune_matmul as tm

@@ -1278,6 +1278,9 @@ constexpr int WG_N = 128;
 #ifndef QMM_WG_FENCE2
 #define QMM_WG_FENCE2 0
 #endif
+#ifndef QMM_WG_PIPELINE                     // 1: the next chunk's words load while this one decodes (walk_run)
+#define QMM_WG_PIPELINE 0
+#endif
 
 __device__ __forceinline__ unsigned long long wg_desc(unsigned addr)
 {
@@ -1321,7 +1324,7 @@ constexpr int WG_A_STRIP = 4 * 4 * 128;     // bytes of a strip's decoded chunk:
 // k + GEMM_STAGES - 2, and the chunk's 4 MMAs go out; the warpgroup then waits for those of chunk k - 1 only.
 template <class Fmt>
 struct WgmmaSink : NoExtra {
-    static constexpr bool PIPELINE = false;    // pipelined batches: ptxas serializes the MMAs, no faster (v19)
+    static constexpr bool PIPELINE = QMM_WG_PIPELINE;   // register A: ptxas then serializes the MMAs (v19)
     static constexpr int BATCH = 1;
     half* ring;              // GEMM_STAGES slots of WG_N x 32 halves
     unsigned char* aring;    // QMM_WG_SS: 2 slots of WARPS strips' decoded chunks (WG_A_STRIP bytes each)
