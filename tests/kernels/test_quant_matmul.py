@@ -6,6 +6,8 @@ with nvcc) must read the bits the Python repack wrote. GPU tests (marker gpu) ru
 odd sizes against the reference computed in f32 from the exact dequantized weight."""
 from __future__ import annotations
 
+import itertools
+
 import re
 import shutil
 import subprocess
@@ -258,6 +260,25 @@ def test_forward_picks_the_path_from_the_rows_alone(wgmma):
     assert {r for r, p in picked.items() if p == "wgmma"} == wgmma_rows
     assert qm.GEMM_MAX_M <= qm.GEMM_ROWS_LIMIT and qm.LARGE_M < qm.WGMMA_MIN_M
     assert qm.WGMMA_MAX_M <= qm.WGMMA_ROWS
+
+
+def test_wgmma_shared_a_meets_the_descriptors_canonical_layout():
+    """quant_matmul.cu QMM_WG_SS: where lane 4g + q stores pair (j, s, h) of its strip's chunk is where the wgmma
+    descriptor (K-major, no swizzle: 8 rows x 16 bytes a core matrix, LBO along K, SBO along the rows) reads A[column]
+    [MMA k]; and D row 16 (warp % 4) + g + 8h of tile t is the epilogue's strip and column."""
+    strip_bytes, lbo, sbo = 2048, 128, 512
+    for strip in range(4):
+        t = strip // 2
+        for g, q, p, e in itertools.product(range(8), range(4), range(16), range(2)):
+            j, s, h = p // 4, p // 2 % 2, p % 2
+            column, k = 16 * (j // 2) + 8 * (j % 2) + g, 16 * s + 8 * h + 2 * q + e
+            stored = strip * strip_bytes + (4 * j + 2 * s + h) * 128 + 16 * g + 4 * q + 2 * e
+            row, kl = (strip - 2 * t) * 32 + column, k - 16 * s
+            read = 2 * t * strip_bytes + 256 * s + row // 8 * sbo + row % 8 * 16 + kl // 8 * lbo + kl % 8 * 2
+            assert stored == read, (strip, g, q, p, e)
+    for t, warp, g, h in itertools.product(range(2), range(4), range(8), range(2)):
+        row = 16 * warp + g + 8 * h
+        assert (2 * t + row // 32, row % 32) == (2 * t + warp // 2, warp % 2 * 16 + 8 * h + g)
 
 
 @pytest.mark.parametrize("n,splits", [(14336, 2), (4096, 8), (517, 16)])
