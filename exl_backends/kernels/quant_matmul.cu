@@ -1279,7 +1279,7 @@ constexpr int WG_N = 128;
 #define QMM_WG_FENCE2 0
 #endif
 #ifndef QMM_WG_PIPELINE                     // 1: the next chunk's words load while this one decodes (walk_run)
-#define QMM_WG_PIPELINE 0
+#define QMM_WG_PIPELINE 1
 #endif
 
 __device__ __forceinline__ unsigned long long wg_desc(unsigned addr)
