@@ -33,20 +33,23 @@ from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
 GEMM_BLOCKS, GEMM_STAGES, GEMM_WARP_ROWS = qm.GEMM_RESIDENT, qm.GEMM_STAGES, qm.GEMM_WARP_ROWS
+WGMMA_STAGES, WGMMA_DEPTH = qm.WGMMA_STAGES, qm.WGMMA_DEPTH
 
 
 def use_define(define: str) -> None:
     """Makes the loader compile quant_matmul.cu with -D<define> ('+' between several; memoised per define).
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
     QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM_WARP_TILES=n set the GEMM plan's qm.GEMM_RESIDENT,
-    qm.GEMM_STAGES (shared memory) and qm.GEMM_WARP_ROWS to match (they take effect for weights prepared after
-    this call)."""
+    qm.GEMM_STAGES (shared memory) and qm.GEMM_WARP_ROWS to match, QMM_WG_STAGES=n and QMM_WG_DEPTH=n the wgmma
+    plan's qm.WGMMA_STAGES and qm.WGMMA_DEPTH (they take effect for weights prepared after this call)."""
     original = loader.module.__wrapped__
     value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
     qm.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
     qm.GEMM_RESIDENT = value.get("QMM_GEMM_BLOCKS", GEMM_BLOCKS)
     qm.GEMM_STAGES = value.get("QMM_GEMM_STAGES", GEMM_STAGES)
     qm.GEMM_WARP_ROWS = 16 * value.get("QMM_GEMM_WARP_TILES", GEMM_WARP_ROWS // 16)
+    qm.WGMMA_STAGES = value.get("QMM_WG_STAGES", WGMMA_STAGES)
+    qm.WGMMA_DEPTH = value.get("QMM_WG_DEPTH", WGMMA_DEPTH)
 
     @functools.cache
     def module(family, cc):

@@ -1,10 +1,11 @@
-"""Diagnostic (NOTES-matmul v19): the wgmma GEMM against the reference under compile-time variants, with the pattern
-of its wrong outputs (strips, 16-column tiles t and halves h, rows). Run from a tree of this branch on an H100/H200:
+"""The wgmma GEMM (quant_matmul.cu <fmt>_wgmma) against the reference under compile-time variants, with the pattern
+of any wrong outputs (strips, 16-column tiles t and halves h, rows), and its time beside the mma.sync GEMM's.
+On an H100/H200:
 
-    PYTHONPATH=$PWD python3 benchmarks/wgmma_check.py ",QMM_WG_PIPELINE=1,QMM_WG_SS=0,QMM_WG_SS=0+QMM_WG_WAIT=0"
+    PYTHONPATH=$PWD python3 benchmarks/wgmma_check.py ",QMM_WG_LATE=0,QMM_WG_DEPTH=3+QMM_WG_STAGES=6"
 
-("": A through shared memory; QMM_WG_PIPELINE=1: and the next chunk's words loading while this one decodes;
-QMM_WG_SS=0: A in registers, the variant that failed; + QMM_WG_WAIT=0: no wgmma in flight past its chunk.)"""
+("": the defaults; QMM_WG_LATE=0: the x copies between barrier and MMAs; QMM_WG_DEPTH=3: three chunks of MMAs in
+flight, QMM_WG_STAGES: x ring slots; QMM_WG_PIPELINE=0: a chunk's words load just before their decode.)"""
 import sys, torch
 sys.path.insert(0, "benchmarks")
 import tune_matmul as tm

@@ -263,7 +263,7 @@ def test_forward_picks_the_path_from_the_rows_alone(wgmma):
 
 
 def test_wgmma_shared_a_meets_the_descriptors_canonical_layout():
-    """quant_matmul.cu QMM_WG_SS: where lane 4g + q stores pair (j, s, h) of its strip's chunk is where the wgmma
+    """quant_matmul.cu WgmmaSink: where lane 4g + q stores pair (j, s, h) of its strip's chunk is where the wgmma
     descriptor (K-major, no swizzle: 8 rows x 16 bytes a core matrix, LBO along K, SBO along the rows) reads A[column]
     [MMA k]; and D row 16 (warp % 4) + g + 8h of tile t is the epilogue's strip and column."""
     strip_bytes, lbo, sbo = 2048, 128, 512
@@ -288,7 +288,8 @@ def test_wgmma_plans_fill_one_wave_of_one_block_per_sm(n, splits):
     p = plan.params
     assert plan.kernel == "exl2_wgmma" and int(p["row_groups"]) == 1 and int(p["m_tiles"]) == 1
     assert int(p["part"][0]["n_splits"]) == splits and plan.blocks == -(-lay.strips // qm.WARPS) * splits <= 132
-    assert plan.smem == int(p["ring_smem"]) + qm.GEMM_STAGES * qm.WGMMA_ROWS * qm.CHUNK * 2 + qm.WGMMA_A_RING
+    decoded = qm.WGMMA_DEPTH * qm.WARPS * qm.CHUNK * qm.STRIP * 2
+    assert plan.smem == int(p["ring_smem"]) + qm.WGMMA_STAGES * qm.WGMMA_ROWS * qm.CHUNK * 2 + decoded
     assert plan.smem <= 99 * 1024
 
 
