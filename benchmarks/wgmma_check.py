@@ -2,9 +2,9 @@
 of any wrong outputs (strips, 16-column tiles t and halves h, rows), and its time beside the mma.sync GEMM's.
 On an H100/H200:
 
-    PYTHONPATH=$PWD python3 benchmarks/wgmma_check.py ",QMM_WG_LATE=0,QMM_WG_DEPTH=3+QMM_WG_STAGES=6"
+    PYTHONPATH=$PWD python3 benchmarks/wgmma_check.py ",QMM_WG_DEPTH=3+QMM_WG_STAGES=6"
 
-("": the defaults; QMM_WG_LATE=0: the x copies between barrier and MMAs; QMM_WG_DEPTH=3: three chunks of MMAs in
+("": the defaults; QMM_WG_DEPTH=3: three chunks of MMAs in
 flight, QMM_WG_STAGES: x ring slots; QMM_WG_PIPELINE=0: a chunk's words load just before their decode.)"""
 import sys, torch
 sys.path.insert(0, "benchmarks")

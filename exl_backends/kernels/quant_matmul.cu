@@ -1286,9 +1286,6 @@ constexpr int WG_A_STRIP = 4 * 4 * 128;     // bytes of a strip's decoded chunk
 #ifndef QMM_WG_STAGES                       // x ring slots: copies run QMM_WG_STAGES - QMM_WG_DEPTH chunks ahead
 #define QMM_WG_STAGES 4
 #endif
-#ifndef QMM_WG_LATE                         // 1: a chunk's x copies go out after its MMAs, not between barrier and MMAs
-#define QMM_WG_LATE 1
-#endif
 constexpr int WG_DEPTH = QMM_WG_DEPTH, WG_STAGES = QMM_WG_STAGES, WG_AHEAD = WG_STAGES - WG_DEPTH;
 constexpr int WG_COPIES = WG_N * 4 / THREADS;   // 16-byte x copies per thread and chunk
 static_assert(WG_DEPTH >= 1 && WG_AHEAD >= 1 && WG_N * 4 % THREADS == 0, "wgmma ring");
@@ -1314,8 +1311,8 @@ __device__ __forceinline__ void wgmma_128(float (&d)[64], unsigned long long des
 }
 
 // Per chunk k: decode (as GemmSink) into A slot k % WG_DEPTH; once every thread's copies of the chunk's x have
-// landed and every warpgroup has waited for its MMAs of chunk k - WG_DEPTH (the barrier), the chunk's 4 MMAs go
-// out, then the copies of chunk k + WG_AHEAD into the x slot of chunk k - WG_DEPTH; the warpgroup then waits until
+// landed and every warpgroup has waited for its MMAs of chunk k - WG_DEPTH (the barrier), the copies of chunk
+// k + WG_AHEAD go to the x slot of chunk k - WG_DEPTH and the chunk's 4 MMAs go out; the warpgroup then waits until
 // at most WG_DEPTH - 1 chunks of its MMAs are in flight.
 template <class Fmt>
 struct WgmmaSink : NoExtra {
@@ -1381,7 +1378,7 @@ struct WgmmaSink : NoExtra {
         copy_async_wait<WG_AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // A and the copies, to wgmma's async proxy
         __syncthreads();
-        if (!QMM_WG_LATE) stage(k + WG_AHEAD);
+        stage(k + WG_AHEAD);               // (after the MMAs: 6 % slower, NOTES-matmul.md v20)
         // tile t: strips 4h + 2t, 4h + 2t + 1 (64 columns = 8 core-matrix rows 512 bytes apart)
         const unsigned ad = a_lo + (k % WG_DEPTH) * (WARPS * WG_A_STRIP >> 4);
         const unsigned bd = b_lo + (k % WG_STAGES) * (WG_N * 64 >> 4);
@@ -1392,7 +1389,6 @@ struct WgmmaSink : NoExtra {
             for (int t = 0; t < 2; ++t)
                 wgmma_128(acc[t], wg_desc(ad + (2 * t * WG_A_STRIP + 256 * s >> 4)), wg_desc(bd + 16 * s));
         wg_commit();
-        if (QMM_WG_LATE) stage(k + WG_AHEAD);
         ++k;
         wg_wait<WG_DEPTH - 1>();
     }
