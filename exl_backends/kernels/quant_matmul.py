@@ -59,9 +59,9 @@ LARGE_M = 17
 GEMM_MAX_M = 96
 # On compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (quant_matmul.cu
 # <fmt>_wgmma: one M tile of WGMMA_ROWS rows, one block per SM). H200, tune_matmul.py --gemm, EXL2 4.0 bpw, us
-# wgmma / mma.sync GEMM / dequant + cuBLAS (NOTES-matmul.md v19): 4096 x 14336 at 64 rows 54.8 / 47.7 / 85.1, 100
-# rows 59.3 / 82.7 / 86.3, 128 rows 64.9 / 85.0 / 86.9, 208 rows 108.1 / 148.0 / 91.2; 14336 x 4096 at 100 rows
-# 62.4 / 85.7 / 89.5; 4096 x 4096 at 100 rows 26.7 / 30.2 / 27.6.
+# wgmma / mma.sync GEMM / dequant + cuBLAS (NOTES-matmul.md v20): 4096 x 14336 at 64 rows 49.9 / 48.0 / 84.8, 65
+# rows 49.8 / 78.0 / 85.0, 100 rows 53.1 / 83.8 / 86.0, 128 rows 58.2 / 87.4 / 87.1; 14336 x 4096 at 100 rows
+# 58.7 / 79.6 / 89.1; 4096 x 4096 at 100 rows 24.7 / 30.1 / 27.9 (below 65 rows the mma.sync GEMM wins or ties).
 WGMMA_MIN_M = 65
 WGMMA_MAX_M = 128
 WGMMA_ROWS = 128                # x rows of a wgmma block (quant_matmul.cu WG_N)
