@@ -1277,10 +1277,6 @@ struct GemmSink : NoExtra {
 //   order (as the small-M kernels' fragments: lane 4g + q decodes pairs (j, s, h) of columns 8j + g, k 16s + 8h + 2q).
 constexpr int WG_N = 128;
 constexpr int WG_A_STRIP = 4 * 4 * 128;     // bytes of a strip's decoded chunk
-#ifndef QMM_WG_OLD_EPILOGUE                 // 1: the epilogue's unrolled global stores (for the A/B)
-#define QMM_WG_OLD_EPILOGUE 0
-#endif
-constexpr int WG_TS = 128 + 4;              // floats a row of the epilogue's tile (+4: stores free of bank conflicts)
 #ifndef QMM_WG_PIPELINE                     // 1: the next chunk's words load while this one decodes (walk_run)
 #define QMM_WG_PIPELINE 1
 #endif
@@ -1428,9 +1424,9 @@ __device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int 
     wg_wait<0>();
     copy_async_wait<0>();
 
-#if QMM_WG_OLD_EPILOGUE
     const int N = pt.n, Np = pt.np;
     float* part = pt.n_splits > 1 ? ws + (size_t)tile.split * M * Np : nullptr;
+    // D row 16 (warp % 4) + g + 8h of tile t: strip 4 (warp / 4) + 2t + warp % 4 / 2 of the block
     const int strip0 = local % pt.col_blocks * WARPS;
 #pragma unroll
     for (int t = 0; t < 2; ++t)
@@ -1450,43 +1446,6 @@ __device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int 
                     else if (col < N)
                         y[(size_t)m * N + col] = __float2half_rn(v + bias_at(pt.bias, col));
                 }
-#else
-    // The accumulators leave through shared memory, one tile t at a time: unrolled stores with constant offsets
-    // there, then a rolled loop of coalesced global stores, 4 columns a thread (128 unrolled global stores, each
-    // run once, left the warps waiting for instructions: 30 % of the stall samples, NOTES-matmul.md v20).
-    float* tl = reinterpret_cast<float*>(smem + p.ring_smem);   // [x row][tile column], WG_TS floats a row
-    const int strip0 = local % pt.col_blocks * WARPS;
-    float* part = pt.n_splits > 1 ? ws + (size_t)tile.split * M * pt.np : nullptr;
-    const int rows = min(tile.rows, M - tile.row0);
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        __syncthreads();                               // every warp's MMAs (or the last tile's reads) are done
-        // D row 16 (warp % 4) + g + 8h of warpgroup h's tile t is tile column 64 (warp / 4) + 16 (warp % 4) + g + 8h
-        float* mine = tl + 2 * q * WG_TS + 64 * (warp / 4) + 16 * (warp % 4) + g;
-#pragma unroll
-        for (int i = 0; i < WG_N / 8; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) mine[(8 * i + e) * WG_TS + 8 * h] = sink.acc[t][4 * i + 2 * h + e];
-        __syncthreads();
-        // tile columns c..c+3: strip strip0 + 4 (c / 64) + 2t + c / 32 % 2, columns c % 32.. of it
-        for (int idx = threadIdx.x; idx < rows * 32; idx += THREADS) {
-            const int r = idx / 32, c = idx % 32 * 4, m = tile.row0 + r;
-            const int strip = strip0 + 4 * (c / 64) + 2 * t + c / 32 % 2, col = strip * 32 + c % 32;
-            if (strip >= pt.strips) continue;
-            const float4 v = *reinterpret_cast<const float4*>(tl + r * WG_TS + c);
-            const float vs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (part)
-                    part[(size_t)m * pt.np + col + j] = vs[j];
-                else if (col + j < pt.n)
-                    y[(size_t)m * pt.n + col + j] = __float2half_rn(vs[j] + bias_at(pt.bias, col + j));
-            }
-        }
-    }
-#endif
 }
 
 template <class Fmt>

@@ -67,7 +67,6 @@ WGMMA_MAX_M = 128
 WGMMA_ROWS = 128                # x rows of a wgmma block (quant_matmul.cu WG_N)
 WGMMA_STAGES = 4                # x chunks in flight per wgmma block (quant_matmul.cu QMM_WG_STAGES)
 WGMMA_DEPTH = 2                 # chunks of MMAs in flight per warpgroup: slots of decoded A (QMM_WG_DEPTH)
-WGMMA_TILE_ROW = 132            # floats a row of the epilogue's tile, in the rings' place (quant_matmul.cu WG_TS)
 GEMM_ROWS_LIMIT = 512           # the most rows QuantMatmul._gemm is planned for (benchmarks time past GEMM_MAX_M)
 GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (quant_matmul.cu GEMM_WARP_TILES m16 tiles)
 # Warps per strip above GEMM_WARP_ROWS rows: 2 gives blocks of 128 columns x 128 rows (each weight decoded by both
@@ -542,7 +541,7 @@ def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tup
 def plan_wgmma(layouts: list[LaneLayout], biases: list[Tensor | None], n_sm: int) -> Plan:
     """The launch of the GEMM by wgmma for up to WGMMA_ROWS rows: the tiled GEMM's Params with one row group and one M
     tile, K split until the blocks (one per SM) fill a wave; shared memory: WGMMA_STAGES slots of WGMMA_ROWS x CHUNK
-    halves of x and WGMMA_DEPTH of a block's decoded weights, or the epilogue's fp32 tile if larger."""
+    halves of x, WGMMA_DEPTH of a block's decoded weights."""
     tiles = sum(-(-lay.strips // WARPS) for lay in layouts)
     want = n_sm // tiles
     splits = [max(1, min(want, len(lay.chunk_bits) // GEMM_MIN_CHUNKS, MAX_SPLITS)) for lay in layouts]
@@ -551,8 +550,7 @@ def plan_wgmma(layouts: list[LaneLayout], biases: list[Tensor | None], n_sm: int
     p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, 1, 1
     chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
     p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
-    rings = WGMMA_STAGES * WGMMA_ROWS * CHUNK * 2 + WGMMA_DEPTH * WARPS * CHUNK * STRIP * 2
-    smem = int(p["ring_smem"]) + max(rings, WGMMA_ROWS * WGMMA_TILE_ROW * 4)
+    smem = int(p["ring_smem"]) + WGMMA_STAGES * WGMMA_ROWS * CHUNK * 2 + WGMMA_DEPTH * WARPS * CHUNK * STRIP * 2
     return Plan(WGMMA_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
 
