@@ -84,6 +84,15 @@
 //   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k] = x[m][perm_i[gemm_k_row(k)]]
 //   (perm_i the identity for a part without one), through the row in shared memory (coalesced reads and writes).
 //
+// WGMMA KERNELS  <fmt>_wgmma (WGMMA_MIN_M <= M <= WGMMA_MAX_M rows of x, compute capability 9.0 only: NVRTC builds
+//   sm_90a there; on other targets the body is a trap and the launcher never picks it; NOTES-matmul.md v19-v20)
+//   The GEMM's Params, x (after permute_x), splits, partials and gemm_reduce, with one row group and one M tile of
+//   up to WG_N = 128 rows; block 256 = 2 warpgroups of 4 strips, one block per SM (~250 registers), the grid one wave
+//   (K split until it fills one). Per chunk each warp decodes its strip into shared memory and each warpgroup issues
+//   4 wgmma.m64n128k16 with both operands by descriptor (layouts at the kernel below). Dynamic shared memory: the
+//   split's chunk_meta entries, then at Params.ring_smem QMM_WG_STAGES x slots of 8 KB and QMM_WG_DEPTH A slots of
+//   16 KB (quant_matmul.plan_wgmma sizes them).
+//
 // DEQUANT KERNELS  <fmt>_dequant
 //   Same Params (one part, its own plan), block 256, static shared memory 20 KB. Warp w of block b decodes its
 //   strip over the split's chunks to fp16 W = fp16((code - z) * scale) (bit-exact with the reference), stages each
