@@ -6,13 +6,24 @@ On an H100/H200:
 
 ("": the defaults; QMM_WG_DEPTH=3: three chunks of MMAs in
 flight, QMM_WG_STAGES: x ring slots; QMM_WG_PIPELINE=0: a chunk's words load just before their decode.)"""
-import sys, torch
-sys.path.insert(0, "benchmarks")
-import tune_matmul as tm
-from exl_backends.formats import synthetic
-from exl_backends.kernels import quant_matmul as qm
+from __future__ import annotations
 
-def case(k, ns, mix, m, seed):
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+import tune_matmul as tm  # noqa: E402
+
+from exl_backends.formats import synthetic  # noqa: E402
+from exl_backends.kernels import quant_matmul as qm  # noqa: E402
+
+TIMED = [(4096, 14336, 100), (14336, 4096, 100), (4096, 4096, 128)]                    # K, N, rows
+CHECKED = [(416, (4128,), "4b_128g", 100, 1), (4128, (517,), "4b_128g", 47, 2), (1056, (96, 40), "6b_32g", 100, 3)]
+
+
+def case(k: int, ns: tuple, mix: str, m: int, seed: int) -> list[str]:
+    """Twice, per fused part: the share of wrong outputs, NaNs, and which strips, tiles (t, h) and rows hold them."""
     ws = [synthetic.random_exl2(k, n, mix, seed=seed + n) for n in ns]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).half()
     f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in ws])
@@ -28,12 +39,14 @@ def case(k, ns, mix, m, seed):
             per_strip = sorted({int(c) // 32 for c in badcols})
             sub = sorted({(int(c) % 32) // 16 * 2 + (int(c) % 16) // 8 for c in badcols})   # tile t, half h
             rows = bad.any(1).nonzero().view(-1)
-            out.append(f"rep{rep} n={w.out_features} badfrac={bad.float().mean():.3f} nan={int((~torch.isfinite(y)).sum())} "
-                       f"strips={per_strip[:12]}{'...' if len(per_strip) > 12 else ''} (of {-(-w.out_features // 32)}) "
-                       f"sub(t,h)={sub} rows={rows[:5].tolist()}..{rows[-3:].tolist()} nrows={len(rows)}")
+            out.append(f"rep{rep} n={w.out_features} badfrac={bad.float().mean():.3f} "
+                       f"nan={int((~torch.isfinite(y)).sum())} strips={per_strip[:12]}"
+                       f"{'...' if len(per_strip) > 12 else ''} (of {-(-w.out_features // 32)}) sub(t,h)={sub} "
+                       f"rows={rows[:5].tolist()}..{rows[-3:].tolist()} nrows={len(rows)}")
     return out
 
-def timing(k, n, m):
+
+def timing(k: int, n: int, m: int) -> list[float]:
     """us of _wgmma and _gemm at m rows of k x n (4.0 bpw), weights rotated from DRAM as bench_matmul does."""
     gen = torch.Generator(device="cuda").manual_seed(k + n)
     fs = [qm.prepare(tm.exl2_weight(k, n, "4b_128g", gen), None) for _ in range(4)]
@@ -41,15 +54,20 @@ def timing(k, n, m):
     return [tm.time_calls([lambda f=f: getattr(f, path)(x) for f in fs]) * 1e6 for path in ("_wgmma", "_gemm")]
 
 
-for d in sys.argv[1].split(","):
-    tm.use_define(d)
-    print("==", d or "default", flush=True)
-    for k, n, m in [(4096, 14336, 100), (14336, 4096, 100), (4096, 4096, 128)]:
-        wg, mma = timing(k, n, m)
-        print(f"   {k}x{n} M={m}: wgmma {wg:.1f} us, mma.sync GEMM {mma:.1f} us", flush=True)
-    for args in [(416, (4128,), "4b_128g", 100, 1), (4128, (517,), "4b_128g", 47, 2), (1056, (96, 40), "6b_32g", 100, 3)]:
-        try:
-            for line in case(*args):
-                print("  ", args[:4], line, flush=True)
-        except Exception as e:
-            print("  ", args[:4], "ERROR", repr(e)[:300], flush=True)
+def main() -> None:
+    for define in sys.argv[1].split(","):
+        tm.use_define(define)
+        print("==", define or "default", flush=True)
+        for k, n, m in TIMED:
+            wg, mma = timing(k, n, m)
+            print(f"   {k}x{n} M={m}: wgmma {wg:.1f} us, mma.sync GEMM {mma:.1f} us", flush=True)
+        for args in CHECKED:
+            try:
+                for line in case(*args):
+                    print("  ", args[:4], line, flush=True)
+            except Exception as e:          # a variant that fails to build or launch: say so, go on
+                print("  ", args[:4], "ERROR", repr(e)[:300], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -476,6 +476,25 @@ struct Batch {
     }
 };
 
+// A warp's current group for sinks that scale the decoded pairs themselves (dequant, GEMM, wgmma): its decode state
+// and (s, s) of column col(j), entered when the group changes.
+template <class Fmt>
+struct GroupScales {
+    int group = -1;
+    typename Fmt::State st;
+    half2 scale[4];
+
+    template <int B>
+    __device__ void enter(int group_key, const typename Fmt::Raw& raw, int g)
+    {
+        if (group_key == group) return;
+        Fmt::template enter<B>(raw, g, st);
+        scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
+        scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
+        group = group_key;
+    }
+};
+
 // Sinks that read nothing else per chunk.
 struct NoExtra {
     struct Extra {};
@@ -1077,25 +1096,18 @@ struct DequantSink : NoExtra {
     half* w_out;
     const int* perm;
     int Np, strip, lane, g, q;
-    int group = -1;
-    typename Fmt::State st;
-    half2 scale[4];          // (s, s) of column col(j)
+    GroupScales<Fmt> gs;     // the current group's decode state and column scales
 
     template <int B>
     __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c, Extra)
     {
-        if (group_key != group) {
-            Fmt::template enter<B>(raw, g, st);
-            scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
-            scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
-            group = group_key;
-        }
+        gs.template enter<B>(group_key, raw, g);
         half2 a[16];
-        decode_pairs<B, Fmt>(w, st, a);
+        decode_pairs<B, Fmt>(w, gs.st, a);
 #pragma unroll
         for (int p = 0; p < 16; ++p) {
             const int j = p / 4, s = p / 2 % 2, h = p % 2;
-            const half2 v = __hmul2(a[p], scale[j]);            // fp16((code - z) * scale): one rounding
+            const half2 v = __hmul2(a[p], gs.scale[j]);            // fp16((code - z) * scale): one rounding
             const int r = 16 * s + 4 * q + 2 * h, col = 16 * (j / 2) + 8 * (j % 2) + g;
             tile[r * TILE_STRIDE + col] = __low2half(v);
             tile[(r + 1) * TILE_STRIDE + col] = __high2half(v);
@@ -1205,6 +1217,18 @@ struct GemmTile {
     }
 };
 
+// A tiled block's (GEMM, wgmma) reads before the kernel ahead of it ends: DRAM first (the warp's weight stream and
+// group records into L2), the split's chunk_meta into shared memory; then the wait (x and ws belong to that kernel).
+template <class Fmt>
+__device__ __forceinline__ void tiled_start(const Part& pt, const GemmTile& tile, int c0, int c1, int2* meta_s,
+                                            Stream& st, int lane)
+{
+    start_stream(st, pt, tile.strip, tile.split, lane);
+    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);
+    pdl_wait();
+}
+
 // Multiplies x's rows of the block by the warp's strip, chunk by chunk (walk), staging x through the ring: chunk
 // number k of the split is in slot k % GEMM_STAGES; before computing chunk k every thread waits for its own copies
 // of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
@@ -1219,9 +1243,7 @@ struct GemmSink : NoExtra {
     int a_offset;            // halves from a slot's start to the row whose address the lane gives ldmatrix
     int tiles;
     int k = 0;               // chunks consumed
-    int group = -1;
-    typename Fmt::State st;
-    half2 scale[4];          // (s, s) of column col(j) of the current group
+    GroupScales<Fmt> gs;     // the current group's decode state and column scales
     float acc[GEMM_WARP_TILES][4][4] = {};    // [m16 tile i][n8 tile j]: rows 16i + g (+8), columns 8j + 2q (+1)
 
     // Chunk c0 + n into its slot (if the split has it): one commit group per call, also when empty.
@@ -1241,16 +1263,11 @@ struct GemmSink : NoExtra {
     template <int B>
     __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int, Extra)
     {
-        if (group_key != group) {
-            Fmt::template enter<B>(raw, threadIdx.x % 32 / 4, st);
-            scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
-            scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
-            group = group_key;
-        }
+        gs.template enter<B>(group_key, raw, threadIdx.x % 32 / 4);
         half2 b[16];
-        decode_pairs<B, Fmt>(w, st, b);
+        decode_pairs<B, Fmt>(w, gs.st, b);
 #pragma unroll
-        for (int p = 0; p < 16; ++p) b[p] = __hmul2(b[p], scale[p / 4]);     // fp16((code - z) * scale), as dequant
+        for (int p = 0; p < 16; ++p) b[p] = __hmul2(b[p], gs.scale[p / 4]);     // fp16((code - z) * scale), as dequant
         copy_async_wait<GEMM_STAGES - 2>();
         __syncthreads();
         stage(k + GEMM_STAGES - 1);
@@ -1335,9 +1352,7 @@ struct WgmmaSink : NoExtra {
     unsigned xok;            // bit j: copy j's row is < M (else zeros)
     unsigned a_lo, b_lo;     // descriptor low words: the warpgroup's strips in A slot 0, x slot 0
     int k = 0;               // chunks consumed
-    int group = -1;
-    typename Fmt::State st;
-    half2 scale[4];
+    GroupScales<Fmt> gs;     // the current group's decode state and column scales
     float acc[2][64] = {};   // [tile t][4i + 2h + e]: D row (column) 16 (warp % 4) + g + 8h, x row 8i + 2q + e
 
     // Copy i = threadIdx.x + j THREADS of a chunk: x row row0 + 8 (i / 32) + i % 8, columns 8 (i / 8 % 4) ..
@@ -1369,21 +1384,16 @@ struct WgmmaSink : NoExtra {
     template <int B>
     __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int, Extra)
     {
-        if (group_key != group) {
-            Fmt::template enter<B>(raw, threadIdx.x % 32 / 4, st);
-            scale[0] = __low2half2(st.scale[0]); scale[1] = __high2half2(st.scale[0]);
-            scale[2] = __low2half2(st.scale[1]); scale[3] = __high2half2(st.scale[1]);
-            group = group_key;
-        }
+        gs.template enter<B>(group_key, raw, threadIdx.x % 32 / 4);
         half2 a[16];
-        decode_pairs<B, Fmt>(w, st, a);
+        decode_pairs<B, Fmt>(w, gs.st, a);
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         // pair p = (j, s, h) of lane 4g + q: core matrix (j, 2s + h) of the strip, row g, bytes 4q..
         unsigned char* as = aring + (k % WG_DEPTH) * (WARPS * WG_A_STRIP) + warp * WG_A_STRIP + lane / 4 * 16 +
                             lane % 4 * 4;
 #pragma unroll
         for (int p = 0; p < 16; ++p)                                      // fp16((code - z) * scale), as dequant
-            *reinterpret_cast<half2*>(as + (p / 4 * 4 + p / 2 % 2 * 2 + p % 2) * 128) = __hmul2(a[p], scale[p / 4]);
+            *reinterpret_cast<half2*>(as + (p / 4 * 4 + p / 2 % 2 * 2 + p % 2) * 128) = __hmul2(a[p], gs.scale[p / 4]);
         copy_async_wait<WG_AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // A and the copies, to wgmma's async proxy
         __syncthreads();
@@ -1413,12 +1423,8 @@ __device__ __forceinline__ void wgmma_part(const Params& p, const Part& pt, int 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const GemmTile tile(p, pt, local, M, warp);
     const int c0 = pt.split_chunk[tile.split], c1 = pt.split_chunk[tile.split + 1];
-
-    Stream st;                                         // DRAM reads first (weights only)
-    start_stream(st, pt, tile.strip, tile.split, lane);
-    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
-    stage_meta(meta_s, pt.chunk_meta, c0, c1);
-    pdl_wait();                                        // x and ws belong to earlier kernels
+    Stream st;
+    tiled_start<Fmt>(pt, tile, c0, c1, meta_s, st, lane);
 
     WgmmaSink<Fmt> sink;
     sink.ring = reinterpret_cast<half*>(smem + p.ring_smem);
@@ -1479,12 +1485,8 @@ __device__ __forceinline__ void gemm_part(const Params& p, const Part& pt, int l
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const GemmTile tile(p, pt, local, M, warp);
     const int c0 = pt.split_chunk[tile.split], c1 = pt.split_chunk[tile.split + 1];
-
-    Stream st;                                         // DRAM reads first (weights only)
-    start_stream(st, pt, tile.strip, tile.split, lane);
-    prefetch_records<Fmt>(pt, tile.strip, tile.split, lane);
-    stage_meta(meta_s, pt.chunk_meta, c0, c1);
-    pdl_wait();                                        // x and ws belong to earlier kernels
+    Stream st;
+    tiled_start<Fmt>(pt, tile, c0, c1, meta_s, st, lane);
 
     GemmSink<Fmt> sink;
     sink.ring = reinterpret_cast<half*>(smem + p.ring_smem);

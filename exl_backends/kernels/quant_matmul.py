@@ -29,7 +29,7 @@ from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
 from . import activation, norm
-from .loader import launch
+from .loader import compute_capability, launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
 STRIP = 32                      # columns per strip (one warp)
@@ -520,36 +520,35 @@ def gemm_shape(rows: int) -> tuple[int, int]:
     return groups, -(-rows // (GEMM_WARP_ROWS * groups))
 
 
-def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tuple[int, int], n_sm: int) -> Plan:
-    """The GEMM launch for a (row groups, M tiles) shape: K split into as many parts as fit one wave of
-    GEMM_RESIDENT blocks per SM (within GEMM_MIN_CHUNKS chunks per split and MAX_SPLITS). ws_floats is per row of
-    x."""
-    groups, m_tiles = shape
+def _tiled_params(layouts: list[LaneLayout], biases: list[Tensor | None], groups: int, m_tiles: int, resident: int,
+                  n_sm: int) -> tuple[np.ndarray, int, int]:
+    """A tiled launch's Params (GEMM, wgmma), blocks and ws_floats per row of x: blocks of WARPS // groups strips x
+    m_tiles M tiles, K split into as many parts as fit one wave of `resident` blocks per SM (within GEMM_MIN_CHUNKS
+    chunks per split and MAX_SPLITS); ring_smem after the split's chunk_meta entries."""
     tiles = sum(-(-lay.strips // (WARPS // groups)) * m_tiles for lay in layouts)
-    want = GEMM_RESIDENT * n_sm // tiles           # rounded down: a second, nearly empty wave costs a whole one
+    want = resident * n_sm // tiles                # rounded down: a second, nearly empty wave costs a whole one
     splits = [max(1, min(want, len(lay.chunk_bits) // GEMM_MIN_CHUNKS, MAX_SPLITS)) for lay in layouts]
     p = np.zeros((), PARAMS_DTYPE)
     blocks, ws, starts_all = _fill_parts(p, layouts, biases, [None] * len(layouts), splits, WARPS // groups, m_tiles,
                                          1)
     p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, groups, m_tiles
     chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
-    p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
+    p["ring_smem"] = -(-8 * chunks // 16) * 16
+    return p, blocks, ws
+
+
+def plan_gemm(layouts: list[LaneLayout], biases: list[Tensor | None], shape: tuple[int, int], n_sm: int) -> Plan:
+    """The GEMM launch for a (row groups, M tiles) shape, GEMM_RESIDENT blocks per SM; its ring after ring_smem."""
+    groups, m_tiles = shape
+    p, blocks, ws = _tiled_params(layouts, biases, groups, m_tiles, GEMM_RESIDENT, n_sm)
     smem = int(p["ring_smem"]) + GEMM_STAGES * GEMM_WARP_ROWS * groups * GEMM_XS * 2
     return Plan(GEMM_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
 
 def plan_wgmma(layouts: list[LaneLayout], biases: list[Tensor | None], n_sm: int) -> Plan:
-    """The launch of the GEMM by wgmma for up to WGMMA_ROWS rows: the tiled GEMM's Params with one row group and one M
-    tile, K split until the blocks (one per SM) fill a wave; shared memory: WGMMA_STAGES slots of WGMMA_ROWS x CHUNK
-    halves of x, WGMMA_DEPTH of a block's decoded weights."""
-    tiles = sum(-(-lay.strips // WARPS) for lay in layouts)
-    want = n_sm // tiles
-    splits = [max(1, min(want, len(lay.chunk_bits) // GEMM_MIN_CHUNKS, MAX_SPLITS)) for lay in layouts]
-    p = np.zeros((), PARAMS_DTYPE)
-    blocks, ws, starts_all = _fill_parts(p, layouts, biases, [None] * len(layouts), splits, WARPS, 1, 1)
-    p["n_parts"], p["K"], p["row_groups"], p["m_tiles"] = len(layouts), layouts[0].k, 1, 1
-    chunks = max(b - a for s in starts_all for a, b in zip(s, s[1:]))
-    p["ring_smem"] = -(-8 * chunks // 16) * 16            # after the split's chunk_meta entries
+    """The launch of the GEMM by wgmma for up to WGMMA_ROWS rows: one row group, one M tile, one block per SM;
+    after ring_smem WGMMA_STAGES slots of WGMMA_ROWS x CHUNK halves of x, WGMMA_DEPTH of a block's decoded weights."""
+    p, blocks, ws = _tiled_params(layouts, biases, 1, 1, 1, n_sm)
     smem = int(p["ring_smem"]) + WGMMA_STAGES * WGMMA_ROWS * CHUNK * 2 + WGMMA_DEPTH * WARPS * CHUNK * STRIP * 2
     return Plan(WGMMA_KERNELS[layouts[0].fmt], blocks, smem, p, ws)
 
@@ -581,8 +580,8 @@ class QuantMatmul:
         self.dequant_plans = [plan_dequant(lay, n_sm) for lay in layouts]
         shapes = {gemm_shape(rows) for rows in range(LARGE_M, GEMM_ROWS_LIMIT + 1)}
         self.gemm_plans = {shape: plan_gemm(layouts, self.biases, shape, n_sm) for shape in shapes}
-        cc = torch.cuda.get_device_capability(device)
-        self.wgmma_plan = plan_wgmma(layouts, self.biases, n_sm) if cc == WGMMA_CC else None
+        wgmma = compute_capability(device) == WGMMA_CC           # what the loader builds sm_90a for
+        self.wgmma_plan = plan_wgmma(layouts, self.biases, n_sm) if wgmma else None
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
