@@ -113,6 +113,17 @@ def test_prompts_after_long_prefixes(mode):
 
 @on_gpu
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("shape", [(2, 4, 128), (8, 4, 128), (3, 1, 64), (2, 12, 64), (4, 2, 256)])
+def test_one_prompt_after_a_prefix(mode, window, shape):
+    """One long sequence (the dense flash call without a window, varlen with one), alone and beside decode rows."""
+    run_case(shape, mode, [(1900, 100)], 256, seed=14, window=window)
+    run_case(shape, mode, [(5, 1), (777, 33), (4000, 1)], 256, seed=15, window=window)
+    run_case(shape, mode, [(0, 257)], 256, seed=16, window=window)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("new", [2, 5, 8])
 @pytest.mark.parametrize("window", [None, 7])
 def test_verify_batch(mode, new, window):
