@@ -1,6 +1,7 @@
 """Paged attention on CUDA (ops.paged_attention): the split-K decode kernels of attention.cu for query rows that are
 alone (or nearly) in their sequence, and for prompts torch's flash attention over gathered fp16 K/V: every prompt of
-a batch in one varlen call (sm_80+); per prompt through scaled_dot_product_attention on older GPUs and with an
+a batch in one varlen call (sm_80+; a single prompt without a window in one dense call, which splits long key
+ranges over more blocks); per prompt through scaled_dot_product_attention on older GPUs and with an
 attention-logit soft-cap, which flash attention lacks (plain torch matmuls and softmax in f32, in query chunks).
 All take the sliding window and the soft-cap of reference.paged_attention; with a window, none reads the pages
 of keys that no query of the pass can see.
