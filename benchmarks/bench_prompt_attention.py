@@ -2,7 +2,8 @@
 layer of the 8B shape with 100 new tokens after 1,900: NOTES-attention.md), by the candidates torch has, one layer
 of the Llama-3-8B shape (32 query heads, 8 kv heads, head_dim 128), K/V already gathered to fp16:
 
-- flash varlen: what exl_backends runs now (`aten._flash_attention_forward`, causal aligned bottom-right);
+- flash varlen: what exl_backends runs for several prompts at once (`aten._flash_attention_forward`, causal aligned
+  bottom-right; one prompt without a window takes the dense call, as `sdpa flash` below: NOTES-attention.md);
 - SDPA efficient / cudnn / flash: `scaled_dot_product_attention` with `causal_lower_right` (GQA by enable_gqa, or
   the kv heads repeated where the backend needs it), each backend forced;
 - split: the prefix cut into pieces of --piece keys as extra varlen sequences (non-causal), one causal call over the
