@@ -1,5 +1,6 @@
-"""Attention of a few new tokens after a long cached prefix (the cached-prefix first token's attention, ~80 us a
-layer of the 8B shape with 100 new tokens after 1,900: NOTES-attention.md), by the candidates torch has, one layer
+"""Attention of a few new tokens after a long cached prefix (the cached-prefix first token's attention: 100 new tokens
+after 1,900 took ~80 us a layer of the 8B shape by varlen flash, ~25 by the dense call: NOTES-attention.md), by the
+candidates torch has, one layer
 of the Llama-3-8B shape (32 query heads, 8 kv heads, head_dim 128), K/V already gathered to fp16:
 
 - flash varlen: what exl_backends runs for several prompts at once (`aten._flash_attention_forward`, causal aligned
