@@ -1,6 +1,7 @@
 """The KV cache: fixed-size pages shared by all sequences, in fp16 or quantized (q8, q6, q4) form.
 
-Per layer, K and V are stored by slot (page * page_size + offset). fp16: [slots, n_kv_heads, head_dim].
+Per layer, K and V are stored by slot (page * page_size + offset). fp16: [slots, n_kv_heads, head_dim]. The layers on
+one device are views into one tensor per field ([layers, slots, ...]), so that a copy in every layer is one launch.
 Quantized: codes uint8 [slots, E] (8-bit) or [slots, E/2] (4-bit) and fp16 scales [slots, E/32], with
 E = n_kv_heads * head_dim, in the rotated layout of reference.quantize_kv (ExLlamaV2's Q-cache scheme)."""
 from __future__ import annotations
@@ -40,6 +41,7 @@ def bytes_per_token(config: ModelConfig, mode: str, dtype_bytes: int = 2) -> int
 
 @dataclass
 class LayerCache:
+    """One layer's fields (or, in KVCache.stacks, one device's layers', with a leading layer dimension)."""
     k: Tensor                 # fp16 mode: [slots, Hkv, Dh]; quantized: codes [slots, E*bits/8]
     v: Tensor
     k_scales: Tensor | None   # quantized only: fp16 [slots, E/32]
@@ -87,20 +89,31 @@ class KVCache:
             attention.check_cache(self)
             self._write = kv_cache.writer(self.bits)
         slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim
-        self.layers = [self._layer(slots, hkv, dh, d) for d in self.layer_devices]
+        # the layers on one device are views into one tensor per field, so that copying slots in every layer
+        # (cache.copy, before a reused prefix's first forward) is one launch per field, not one per layer and field
+        self.stacks: list[LayerCache] = []
+        self.layers: list[LayerCache] = [None] * config.n_layers
+        for device in dict.fromkeys(self.layer_devices):
+            ids = [i for i, d in enumerate(self.layer_devices) if d == device]
+            stack = self._stack(len(ids), slots, hkv, dh, device)
+            self.stacks.append(stack)
+            for j, i in enumerate(ids):
+                self.layers[i] = LayerCache(*(None if t is None else t[j] for t in
+                                              (stack.k, stack.v, stack.k_scales, stack.v_scales)))
 
-    def _layer(self, slots: int, hkv: int, dh: int, device: torch.device) -> LayerCache:
+    def _stack(self, n: int, slots: int, hkv: int, dh: int, device: torch.device) -> LayerCache:
+        """Zeroed fields of n layers, [n, ...] each."""
         if self.bits is None:
             def kv():
-                return torch.zeros(slots, hkv, dh, dtype=self.dtype, device=device)
+                return torch.zeros(n, slots, hkv, dh, dtype=self.dtype, device=device)
             return LayerCache(kv(), kv(), None, None)
         width = hkv * dh
 
         def codes(bits):
-            return torch.zeros(slots, width * bits // 8, dtype=torch.uint8, device=device)
+            return torch.zeros(n, slots, width * bits // 8, dtype=torch.uint8, device=device)
 
         def scales():
-            return torch.zeros(slots, width // reference.KV_GROUP, dtype=torch.float16, device=device)
+            return torch.zeros(n, slots, width // reference.KV_GROUP, dtype=torch.float16, device=device)
         return LayerCache(codes(self.bits[0]), codes(self.bits[1]), scales(), scales())
 
     @property
@@ -122,10 +135,10 @@ class KVCache:
 
     def copy(self, source: int, target: int, n: int) -> None:
         """Slots source.. source + n - 1 into target.., in every layer (a shared prefix's head into a job's page)."""
-        for c in self.layers:
+        for c in self.stacks:
             for t in (c.k, c.v, c.k_scales, c.v_scales):
                 if t is not None:
-                    t[target:target + n].copy_(t[source:source + n])
+                    t[:, target:target + n].copy_(t[:, source:source + n])
 
     def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The K, V [L, Hkv, Dh] stored at slots, dequantized (reference path)."""
@@ -138,5 +151,5 @@ class KVCache:
         return k.view(shape), v.view(shape)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for c in self.layers
+        return sum(t.numel() * t.element_size() for c in self.stacks
                    for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None)

@@ -80,3 +80,26 @@ def test_greedy_generate_equals_transformers(variant):
         ref = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=511)
     out = ours.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=511)
     assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q4", "q6"])
+def test_cache_copy_moves_slots_in_every_layer_only(mode):
+    """KVCache.copy (a reused prefix's partial page into a job's own) in every layer, every field; nothing else
+    changes. The layers are views into one tensor per field, so the copy must index the right dimension."""
+    from exl_backends.config import ModelConfig
+    config = ModelConfig.from_dict(dict(
+        architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_hidden_layers=3, vocab_size=256, rms_norm_eps=1e-5,
+        max_position_embeddings=512))
+    cache = KVCache(config, n_pages=4, page_size=8, mode=mode, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    fields = [t for c in cache.layers for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None]
+    for t in fields:
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen) if t.dtype == torch.uint8
+                else torch.randn(t.shape, generator=gen).to(t.dtype))
+    before = [t.clone() for t in fields]
+    cache.copy(source=9, target=26, n=5)
+    for t, old in zip(fields, before):
+        expected = old.clone()
+        expected[26:31] = old[9:14]
+        assert torch.equal(t, expected)

@@ -138,18 +138,18 @@ def _counters(device: torch.device, size: int) -> Tensor:
 
 
 def _mixed(q: Tensor, cache, layer: int, batch, scale: float, window: int | None, softcap: float | None) -> Tensor:
-    out = torch.empty_like(q)
     short = _short_rows(batch)
+    flash = softcap is None and _has_varlen_flash(q)
+    prompts = _prompts(batch, window) if flash else None
+    if short is None and prompts is not None:          # every sequence a long prompt: one call has every row
+        return _varlen(q[prompts.rows], cache, layer, prompts, scale, window)
+    out = torch.empty_like(q)
     if short is not None:
         rows, row_seq, positions = short
         out[rows] = split_k(q[rows], cache, layer, batch, positions, row_seq, scale, window, softcap)
-    if softcap is None and _has_varlen_flash(q):
-        prompts = _prompts(batch, window)
+    if flash:
         if prompts is not None:
-            o = _varlen(q[prompts.rows], cache, layer, prompts, scale, window)
-            if short is None and o.shape[0] == q.shape[0]:
-                return o
-            out[prompts.rows] = o
+            out[prompts.rows] = _varlen(q[prompts.rows], cache, layer, prompts, scale, window)
         return out
     cu, n_keys = batch.lengths_on_host()        # eager path: kept by Batch.build (else one host read per forward)
     for b in range(batch.n_seqs):
@@ -280,15 +280,21 @@ def _prefill(q: Tensor, cache, layer: int, batch, b: int, n_keys: int, scale: fl
 def _causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal attention aligned bottom-right (the queries are the last q.shape[2] of the keys' positions):
     q [1, H, n_q, Dh], k, v [1, Hkv, n_k, Dh]. Flash attention is called directly when it takes the inputs, as
-    torch's lower-right CausalBias does: on the H200 (torch 2.11) that route cost ~0.1 ms of host time per call,
-    F.scaled_dot_product_attention(is_causal=True) ~1.5 ms (measured in the generator's prefill of uncached
-    prompts, 32 layers x each sequence of a step; why, not known)."""
-    params = SDPAParams(q, k, v, None, 0.0, True, True)
-    if q.shape[-1] % 8 == 0 and can_use_flash_attention(params):
+    torch's lower-right CausalBias does after more host work of its own; F.scaled_dot_product_attention(
+    is_causal=True) cost ~1.5 ms of host time per call on the H200 (torch 2.11; measured in the generator's
+    prefill of uncached prompts, 32 layers x each sequence of a step; why, not known)."""
+    if _takes_flash(q, k, v):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
     mask = None if q.shape[2] == k.shape[2] else causal_lower_right(q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=True)
+
+
+def _takes_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether torch's flash attention takes q, k, v for _causal. Asked with is_causal False, as torch's lower-right
+    CausalBias asks: torch's is_causal means top-left alignment, which flash refuses for n_q != n_k, while flash's
+    own causal mask is bottom-right (asked with True, every cached-prefix prompt fell back to the CausalBias route)."""
+    return q.shape[-1] % 8 == 0 and can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
 
 
 def _visible(q0: int, n_q: int, t0: int, n_k: int, window: int | None, device: torch.device) -> Tensor:

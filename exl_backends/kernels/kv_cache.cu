@@ -164,6 +164,20 @@ extern "C" __global__ void kv_write_f16(const half* __restrict__ k, const half* 
     for (int i = threadIdx.x; i < width / 8; i += blockDim.x) d[i] = s[i];
 }
 
+// kv_read_f16: the rows k_cache/v_cache[slots[t], E] (fp16) -> k_out, v_out [T, E]: kv_write_f16 backwards, one
+// launch for both (the prefill attention's gather: two torch index ops cost twice the host time). Same grid, block
+// and alignment as kv_write_f16.
+extern "C" __global__ void kv_read_f16(const half* __restrict__ k_cache, const half* __restrict__ v_cache,
+                                       const long long* __restrict__ slots, half* __restrict__ k_out,
+                                       half* __restrict__ v_out, int width) {
+    exl::pdl_trigger();
+    exl::pdl_wait();
+    const int t = blockIdx.x;
+    const uint4* s = reinterpret_cast<const uint4*>((blockIdx.y == 0 ? k_cache : v_cache) + (size_t)slots[t] * width);
+    uint4* d = reinterpret_cast<uint4*>((blockIdx.y == 0 ? k_out : v_out) + (size_t)t * width);
+    for (int i = threadIdx.x; i < width / 8; i += blockDim.x) d[i] = s[i];
+}
+
 // kv_write_quant: quantizes the rows k[T, E] and v[T, E] (fp16) into the codes and scales of slots[t].
 // grid (ceil(T * E/64 / 4), 2): blockIdx.y 0 is K (k_bits), 1 is V (v_bits). block 128 threads = 4 warps; warp w of
 // block x handles chunk (x*4 + w) of the flattened [T, E/64] chunks. Codes: [slots, E*bits/8] uint8, scales

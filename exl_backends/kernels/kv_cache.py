@@ -80,11 +80,14 @@ def _rows(x: Tensor) -> Tensor:
 def read(cache, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
     """The K, V stored at slots [L] (int64) as fp16 [L, Hkv, Dh]: KVCache.read, on the GPU (bit-identical)."""
     c = cache.layers[layer]
-    if cache.bits is None:
-        return c.k[slots], c.v[slots]
     rows, hkv, dh = slots.shape[0], cache.config.n_kv_heads, cache.config.head_dim
     k = torch.empty(rows, hkv, dh, dtype=torch.float16, device=slots.device)
     v = torch.empty_like(k)
+    if cache.bits is None:
+        if rows:
+            launch("kv_cache", "kv_read_f16", grid=(rows, 2), block=(THREADS,),
+                   args=(c.k, c.v, slots.to(torch.int64).contiguous(), k, v, hkv * dh))
+        return k, v
     jobs = rows * (hkv * dh // 64)
     if jobs:
         launch("kv_cache", "kv_dequantize", grid=(-(-jobs // WARPS), 2), block=(THREADS,),

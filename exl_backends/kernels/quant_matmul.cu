@@ -82,7 +82,8 @@
 //   256), parts), one column pair per thread), which adds the bias: the "last block reduces" scheme of the small-M
 //   kernels would leave one block reading splits x 64 x 256 x 4 bytes alone.
 //   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k] = x[m][perm_i[gemm_k_row(k)]]
-//   (perm_i the identity for a part without one), through the row in shared memory (coalesced reads and writes).
+//   (perm_i the identity for a part without one), through the row in shared memory (coalesced reads and writes);
+//   x replaced, as in stage_xs, by the block's norm of it or the gated MLP's silu_mul, which then take no launch.
 //
 // WGMMA KERNELS  <fmt>_wgmma (WGMMA_MIN_M <= M <= WGMMA_MAX_M rows of x, compute capability 9.0 only: NVRTC builds
 //   sm_90a there; on other targets the body is a trap and the launcher never picks it; NOTES-matmul.md v19-v20)
@@ -981,13 +982,10 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
                                     ws ? ws + pt.ws_offset : ws, pt.counters);
 }
 
-// The add_rmsnorm of the block's row of x (row: its offset in x), as norm.cu computes it (norm.cuh): r = fp16(x +
-// residual) (residual null: r = x), then fp16(w * fp16(r * inv_rms)) at the lane's src, w = the norm weight there.
-// r is kept in shared memory (K halves, dynamic; x and residual 16-byte aligned, K % 8 == 0: the launcher checks);
-// a writer block (part 0, blockIdx.z < M) writes its 256 elements of r, 256 blockIdx.x on, to new_residual. Every
-// thread of the block calls it (block_sum's barrier, which also publishes r).
-__device__ __forceinline__ half stage_norm(const half* x, const half* residual, half w, half* new_residual, int K,
-                                           size_t row, int src, float eps, bool writer)
+// r = fp16(x + residual) of the block's row of x (row: its offset in x; residual null: r = x) into shared memory
+// (K halves, dynamic; x and residual 16-byte aligned, K % 8 == 0: the launchers check), and its inverse RMS, as
+// norm.cu computes them (norm.cuh). Every thread of the block calls it (block_sum's barrier, which also publishes r).
+__device__ __forceinline__ float residual_row(const half* x, const half* residual, int K, size_t row, float eps)
 {
     static_assert(THREADS == NORM_THREADS, "norm.cuh sums a row over NORM_THREADS threads");
     extern __shared__ __align__(16) half r_s[];
@@ -1004,10 +1002,27 @@ __device__ __forceinline__ half stage_norm(const half* x, const half* residual, 
         *reinterpret_cast<uint4*>(r_s + i) = xv;
         sum_sq += sum_squares<8>(r);
     }
-    const float inv_rms = inverse_rms(block_sum(sum_sq), K, eps);
+    return inverse_rms(block_sum(sum_sq), K, eps);
+}
+
+// The add_rmsnorm of the block's row of x (residual_row), fp16(w * fp16(r * inv_rms)) at the lane's src, w = the norm
+// weight there; a writer block (part 0, blockIdx.z < M) writes its 256 elements of r, 256 blockIdx.x on, to
+// new_residual.
+__device__ __forceinline__ half stage_norm(const half* x, const half* residual, half w, half* new_residual, int K,
+                                           size_t row, int src, float eps, bool writer)
+{
+    extern __shared__ __align__(16) half r_s[];
+    const float inv_rms = residual_row(x, residual, K, row, eps);
     const int e = blockIdx.x * THREADS + threadIdx.x;
     if (writer && residual && e < K) new_residual[row + e] = r_s[e];
     return normalise(r_s[src], w, inv_rms);
+}
+
+// The gated MLP's fp16(fp16(silu(gate)) * up), rounded as activation.cu's silu_mul.
+__device__ __forceinline__ half silu_mul(half gate, half up)
+{
+    const half act = __float2half_rn(silu(__half2float(gate)));
+    return __float2half_rn(__fmul_rn(__half2float(act), __half2float(up)));
 }
 
 // x [M, K] for the small-M launch of p, R = gridDim.z staged rows (1, 8 or 16; row m >= M repeats row M - 1):
@@ -1038,10 +1053,7 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     } else {
         in = x[row + src];
     }
-    if (up) {
-        const half act = __float2half_rn(silu(__half2float(in)));
-        in = __float2half_rn(__fmul_rn(__half2float(act), __half2float(up[row + src])));
-    }
+    if (up) in = silu_mul(in, up[row + src]);
     const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
     xs[((size_t)part * R + m) * p.K + k] = v;
     float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
@@ -1562,21 +1574,54 @@ EXL_HD int gemm_k_row(int k)
     return k - r + 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2;
 }
 
-// Row blockIdx.x of x [M, K] for part blockIdx.y's GEMM: xp[part][m][k] = x[m][perm[gemm_k_row(k)]].
-__device__ __forceinline__ void permute_x(const Params& p, int M, const half* x, half* xp)
+// Row blockIdx.x of x [M, K] for part blockIdx.y's GEMM: xp[part][m][k] = v[m][perm[gemm_k_row(k)]], through the
+// row in shared memory (coalesced reads and writes). v is x, or what the op before the GEMM makes of it, as stage_xs
+// applies it (so that the op needs no launch of its own): with norm_w the add_rmsnorm (residual non-null) or rmsnorm
+// of x, part 0's blocks writing the new residual; with up the gated MLP's silu_mul (after the norm, if both). Each
+// thread takes 8 consecutive elements at a time, as 16-byte vectors (x, up, residual, norm_w, new_residual and xp
+// 16-byte aligned: the launcher sees to it; K a multiple of 32, as every lane layout's), the vectors residual_row
+// gives it: with few blocks (M x parts), a thread's chain of one-element loads and stores set the time (1.23 ms
+// over a cached-prefix first token's 128 launches, 0.85 ms so, on the H200).
+__device__ __forceinline__ void permute_x(const Params& p, int M, const half* x, const half* up, const half* residual,
+                                          const half* norm_w, half* new_residual, float eps, half* xp)
 {
-    extern __shared__ __align__(16) unsigned char smem[];
-    half* row = reinterpret_cast<half*>(smem);
+    extern __shared__ __align__(16) half row_s[];
     const int K = p.K, m = blockIdx.x;
     const int* perm = p.part[blockIdx.y].perm;
+    const size_t at = (size_t)m * K;
     pdl_wait();                                        // x is an earlier kernel's
-    const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K);
-    for (int i = threadIdx.x; i < K / 8; i += THREADS) reinterpret_cast<uint4*>(row)[i] = __ldg(src + i);
+    const float inv_rms = norm_w ? residual_row(x, residual, K, at, eps) : 0.f;
+    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+        uint4 v = norm_w ? *reinterpret_cast<const uint4*>(row_s + i) : __ldg(reinterpret_cast<const uint4*>(x + at + i));
+        half* h = reinterpret_cast<half*>(&v);
+        if (norm_w) {
+            if (residual && blockIdx.y == 0) *reinterpret_cast<uint4*>(new_residual + at + i) = v;
+            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(norm_w + i));
+            const half* w = reinterpret_cast<const half*>(&wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) h[j] = normalise(h[j], w[j], inv_rms);
+        }
+        if (up) {
+            const uint4 uv = __ldg(reinterpret_cast<const uint4*>(up + at + i));
+            const half* u = reinterpret_cast<const half*>(&uv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) h[j] = silu_mul(h[j], u[j]);
+        }
+        *reinterpret_cast<uint4*>(row_s + i) = v;      // (the same thread's elements as residual_row's)
+    }
     __syncthreads();
-    half* out = xp + ((size_t)blockIdx.y * M + m) * K;
-    for (int k = threadIdx.x; k < K; k += THREADS) {
-        const int r = gemm_k_row(k);
-        out[k] = row[perm ? __ldg(perm + r) : r];
+    uint4* out = reinterpret_cast<uint4*>(xp + ((size_t)blockIdx.y * M + m) * K);
+    for (int o = threadIdx.x; o < K / 8; o += THREADS) {
+        // xp's k = 8o + j is chunk row base + 4 (j / 2) + 2 half + j % 2 (gemm_k_row), half = which 8 of the 16
+        const int base = 8 * o - 8 * o % 16, half_ = o % 2;
+        uint4 v;
+        half* h = reinterpret_cast<half*>(&v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int r = base + 4 * (j / 2) + 2 * half_ + j % 2;
+            h[j] = row_s[perm ? __ldg(perm + r) : r];
+        }
+        out[o] = v;
     }
 }
 
@@ -1680,7 +1725,8 @@ gemm_reduce(const __grid_constant__ qmm::Params p, int M, half* y0, half* y1, ha
     qmm::gemm_reduce(p, M, y0, y1, y2, ws);
 }
 
-// grid (M, parts), block 256, dynamic shared memory 2K bytes: x in each part's stored row order (qmm::permute_x).
+// grid (M, parts), block 256, dynamic shared memory 2K bytes: x (or the op before's result, as stage_xs) in each
+// part's stored row order (qmm::permute_x).
 // grid (ceil(K / 32 / 8), parts, 1 / 8 / 16 staged rows), block 256: x (or silu(x) * up, or the add_rmsnorm of x)
 // staged for the small-M kernels (qmm::stage_xs); dynamic shared memory 2K bytes with norm_w, else none.
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
@@ -1692,8 +1738,9 @@ stage_xs(const __grid_constant__ qmm::Params p, const half* x, const half* up, c
 }
 
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
-permute_x(const __grid_constant__ qmm::Params p, int M, const half* x, half* xp)
+permute_x(const __grid_constant__ qmm::Params p, int M, const half* x, const half* up, const half* residual,
+          const half* norm_w, half* new_residual, float eps, half* xp)
 {
     exl::pdl_trigger();
-    qmm::permute_x(p, M, x, xp);
+    qmm::permute_x(p, M, x, up, residual, norm_w, new_residual, eps, xp);
 }

@@ -470,6 +470,11 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
     return block0, ws, starts_all
 
 
+def _aligned(x: Tensor) -> Tensor:
+    """x, or a copy of it whose data is 16-byte aligned (kernels that read 16-byte vectors)."""
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _check_fp16(*tensors: Tensor | None) -> None:
     for t in tensors:
         if t is not None and t.dtype != torch.float16:
@@ -593,37 +598,43 @@ class QuantMatmul:
 
     def forward(self, x: Tensor, up: Tensor | None = None) -> list[Tensor]:
         """One output per weight, [..., N_i] for x [..., K]. With `up` (x's shape), for the gated MLP's
-        silu(x) * up (activation.silu_mul's roundings): below LARGE_M rows stage_xs applies it as it stages x."""
+        silu(x) * up (activation.silu_mul's roundings): stage_xs (below LARGE_M rows) or the tiled GEMMs'
+        permute_x applies it as it stages or reorders x; only the dequantize + cuBLAS path launches silu_mul."""
         _check_fp16(x, up)
         if up is not None and up.shape != x.shape:
             raise ValueError(f"gate {tuple(x.shape)} and up {tuple(up.shape)} differ in shape")
         lead = x.shape[:-1]
         x = x.reshape(-1, self.k).contiguous()
-        if up is not None and x.shape[0] >= LARGE_M:
-            x, up = activation.silu_mul(x, up.reshape(x.shape)), None
+        path = self._path(x.shape[0])
         if up is None:
-            ys = self._path(x.shape[0])(x)
+            ys = path(x)
+        elif path == self._dequant_matmul:
+            ys = path(activation.silu_mul(x, up.reshape(x.shape)))
         else:
-            ys = self._small(x, (up.reshape(x.shape).contiguous(), *PLAIN[1:]))
+            ys = path(x, (_aligned(up.reshape(x.shape).contiguous()), *PLAIN[1:]))   # (permute_x: 16-byte vectors)
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
 
     def forward_normed(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
         """(forward(x), r) for the block's norm in front of these weights: r = residual + h (residual None: h, the
-        first block's), x = rmsnorm(r) * w, as norm.add_rmsnorm and norm.rmsnorm compute them, bit for bit. Below
-        LARGE_M rows stage_xs normalises x as it stages it: the norm needs no launch of its own."""
+        first block's), x = rmsnorm(r) * w, as norm.add_rmsnorm and norm.rmsnorm compute them, bit for bit.
+        stage_xs (below LARGE_M rows) or the tiled GEMMs' permute_x normalises x as it stages or reorders it: the
+        norm needs no launch of its own, except before dequantize + cuBLAS and for rows not 16-byte aligned."""
         _check_fp16(h, residual, w)
         if residual is not None and residual.shape != h.shape:
             raise ValueError(f"x {tuple(h.shape)} and residual {tuple(residual.shape)} differ in shape")
         lead = h.shape[:-1]
         h = h.reshape(-1, self.k).contiguous()
         residual = None if residual is None else residual.reshape(h.shape).contiguous()
-        if h.shape[0] >= LARGE_M or 2 * self.k > STAGE_NORM_SMEM or any(
-                t is not None and t.data_ptr() % 16 for t in (h, residual, w)):
-            x, new = (norm.rmsnorm(h, w, eps), h) if residual is None else norm.add_rmsnorm(h, residual, w, eps)
-            ys = self._path(h.shape[0])(x)
-        else:
+        path = self._path(h.shape[0])
+        fused = (path != self._dequant_matmul
+                 and (path != self._small or 2 * self.k <= STAGE_NORM_SMEM)    # stage_xs's row in shared memory
+                 and all(t is None or t.data_ptr() % 16 == 0 for t in (h, residual, w)))  # read as 16-byte vectors
+        if fused:
             new = h if residual is None else torch.empty_like(h)
-            ys = self._small(h, (None, residual, w, new, float(eps)))
+            ys = path(h, (None, residual, w, new, float(eps)))
+        else:
+            x, new = (norm.rmsnorm(h, w, eps), h) if residual is None else norm.add_rmsnorm(h, residual, w, eps)
+            ys = path(x)
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)], new.reshape(*lead, self.k)
 
     def _path(self, rows: int):
@@ -675,21 +686,21 @@ class QuantMatmul:
             self.ws1 = torch.empty(plan.ws_floats, dtype=torch.float32, device=device)
         return self.ws1
 
-    def _gemm(self, x: Tensor) -> list[Tensor]:
+    def _gemm(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
         """The tiled GEMM (quant_matmul.cu GEMM KERNELS), for up to GEMM_ROWS_LIMIT rows."""
-        return self._tiled(x, self.gemm_plans[gemm_shape(x.shape[0])])
+        return self._tiled(x, self.gemm_plans[gemm_shape(x.shape[0])], before)
 
-    def _wgmma(self, x: Tensor) -> list[Tensor]:
+    def _wgmma(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
         """The GEMM by wgmma (compute capability 9.0 only), for up to WGMMA_ROWS rows."""
         if x.shape[0] > WGMMA_ROWS:
             raise ValueError(f"the wgmma GEMM takes at most {WGMMA_ROWS} rows of x, got {x.shape[0]}")
-        return self._tiled(x, self.wgmma_plan)
+        return self._tiled(x, self.wgmma_plan, before)
 
-    def _tiled(self, x: Tensor, plan: Plan) -> list[Tensor]:
-        """A tiled GEMM launch (x in each part's stored order first); its split partials, if any, summed by a
-        second launch."""
+    def _tiled(self, x: Tensor, plan: Plan, before: tuple) -> list[Tensor]:
+        """A tiled GEMM launch (x, after `before` as _small takes it, in each part's stored order first); its split
+        partials, if any, summed by a second launch."""
         m = x.shape[0]
-        xs = self._stored_order(x, plan)
+        xs = self._stored_order(x, plan, before)
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))
         ws = torch.empty(plan.ws_floats * m, dtype=torch.float32, device=x.device) if plan.ws_floats else None
@@ -701,15 +712,13 @@ class QuantMatmul:
                    args=(plan.arg(), m, *ys, *nulls, ws))
         return ys
 
-    def _stored_order(self, x: Tensor, plan: Plan) -> list[Tensor]:
-        """x [M, K] as each part's GEMM reads it (permute_x: its stored row order, in MMA k order within each 16
-        columns), [parts, M, K]."""
-        if x.data_ptr() % 16:
-            x = x.clone()
+    def _stored_order(self, x: Tensor, plan: Plan, before: tuple) -> list[Tensor]:
+        """x [M, K] (after `before`) as each part's GEMM reads it (permute_x: its stored row order, in MMA k order
+        within each 16 columns), [parts, M, K]."""
         m, k = x.shape
         xp = torch.empty(len(self.layouts), m, k, dtype=torch.float16, device=x.device)
-        launch("quant_matmul", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,), args=(plan.arg(), m, x, xp),
-               shared_mem=2 * k)
+        launch("quant_matmul", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,),
+               args=(plan.arg(), m, _aligned(x), *before, xp), shared_mem=2 * k)
         return list(xp)
 
     def _dequant_matmul(self, x: Tensor) -> list[Tensor]:

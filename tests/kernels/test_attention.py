@@ -116,14 +116,18 @@ def test_prompts_after_long_prefixes(mode):
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("shape", [(2, 4, 128), (8, 4, 128), (3, 1, 64), (2, 12, 64), (4, 2, 256)])
 def test_one_prompt_after_a_prefix(mode, window, shape, monkeypatch):
-    """One long sequence (the dense flash call without a window, varlen with one), alone and beside decode rows."""
+    """One long sequence (the dense flash call without a window, varlen with one), alone and beside decode rows;
+    the dense call goes to flash attention itself, after a prefix too (not torch's CausalBias fallback)."""
     from exl_backends.kernels import attention
     dense, causal = [], attention._causal
+    flash, takes_flash = [], attention._takes_flash
     monkeypatch.setattr(attention, "_causal", lambda *a: dense.append(a) or causal(*a))
+    monkeypatch.setattr(attention, "_takes_flash", lambda *a: flash.append(takes_flash(*a)) or flash[-1])
     run_case(shape, mode, [(1900, 100)], 256, seed=14, window=window)
     run_case(shape, mode, [(5, 1), (777, 33), (4000, 1)], 256, seed=15, window=window)
     run_case(shape, mode, [(0, 257)], 256, seed=16, window=window)
     assert len(dense) == (3 if window is None else 0)
+    assert flash == [True] * len(dense)
 
 
 @on_gpu

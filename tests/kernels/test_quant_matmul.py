@@ -591,10 +591,11 @@ def test_small_m_blocks_of_fewer_strips(strips_per_block, m, monkeypatch):
 
 @on_gpu
 @pytest.mark.parametrize("fmt", ["exl2", "gptq"])
-@pytest.mark.parametrize("m", [1, 5, 16, 17])       # staged with the activation (1-16 rows), then silu_mul first
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 70, 100, 200])
 def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
     """f(gate, up) is the down projection of the gated MLP: bit for bit f(silu_mul(gate, up)), and close to the
-    reference composition."""
+    reference composition. Applied as stage_xs stages x (1-16 rows), as permute_x reorders it for the tiled GEMMs
+    (17-96 rows; 65-128 by wgmma on sm_90), by silu_mul's own launch before dequantize + cuBLAS (200)."""
     from exl_backends.kernels import activation
     k = 4128
     w = (synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=m) if fmt == "exl2"
@@ -606,6 +607,9 @@ def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
         poison_allocator()
         y = f(gate.cuda(), up.cuda())
         assert torch.equal(y, f(activation.silu_mul(gate.cuda(), up.cuda())))
+    unaligned = torch.empty(m * k + 1, dtype=torch.float16, device="cuda")[1:].view(m, k)
+    unaligned.copy_(up)
+    assert torch.equal(f(gate.cuda(), unaligned), y)
     ref = reference.silu_mul(gate, up).float() @ w.dequantize().float().T
     assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < 2e-3
     with pytest.raises(ValueError, match="differ in shape"):
@@ -614,12 +618,13 @@ def test_gated_forward_applies_silu_mul_as_it_stages(fmt, m):
 
 @on_gpu
 @pytest.mark.parametrize("fmt", ["exl2", "gptq"])
-@pytest.mark.parametrize("m", [1, 5, 16, 17])       # normed as staged (1-16 rows), then norm.add_rmsnorm first
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 70, 100, 200])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_normed_forward_is_the_norm_kernel_then_forward(fmt, m, with_residual):
     """forward_normed(h, residual, w, eps) of fused weights (each with its own permutation) is bit for bit
-    norm.add_rmsnorm (norm.rmsnorm without a residual) then forward, outputs and new residual; rows that are not
-    16-byte aligned take that composition (whose norm kernel then sums element by element)."""
+    norm.add_rmsnorm (norm.rmsnorm without a residual) then forward, outputs and new residual: normed as stage_xs
+    stages x (1-16 rows), as permute_x reorders it (17-128), by the norm kernel before dequantize + cuBLAS (200);
+    rows that are not 16-byte aligned take that composition (whose norm kernel then sums element by element)."""
     from exl_backends.kernels import norm
     k = 4128
     if fmt == "exl2":
