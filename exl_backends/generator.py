@@ -189,10 +189,10 @@ class Generator:
         if prompt and all(isinstance(m, dict) for m in prompt):
             text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False), template_stop_ids(tok)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 to {self.config.vocab_size - 1})")
+        ids = list(map(int, prompt))            # (C loops: a long prompt's ids are checked in microseconds)
+        if ids and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0 to {self.config.vocab_size - 1})")
         return ids, frozenset()
 
     def _check_lengths(self, ids: list[int], max_new_tokens: int, min_new_tokens: int) -> int:

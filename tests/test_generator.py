@@ -331,6 +331,16 @@ def test_prompt_longer_than_context_raises(tiny):
         make(model, cache_tokens=2 * PAGE).submit(list(range(20)), max_new_tokens=20)
 
 
+def test_prompt_ids_outside_the_vocabulary_raise(tiny):
+    model, _ = tiny
+    gen = make(model, max_seq_len=64, cache_tokens=256)
+    vocab = model.exl_config.vocab_size
+    for ids, bad in (([3, -1, 4], -1), ([3, vocab, 2 * vocab], vocab)):
+        with pytest.raises(ValueError, match=rf"prompt token id {bad} is outside the vocabulary \(0 to {vocab - 1}\)"):
+            gen.submit(ids)
+    assert gen.generate([3, vocab - 1], max_new_tokens=2, stop_token_ids=[]).token_ids       # the edges are fine
+
+
 def test_stop_token_and_min_new_tokens(tiny):
     model, _ = tiny
     prompt = random_prompts(1, seed=9)[0]
