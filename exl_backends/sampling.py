@@ -206,7 +206,8 @@ class SamplerState:
         self.n_prompt = len(prompt_ids)
         # numpy, not torch: accept() runs for every token of every job, and a numpy item write costs ~0.1 us where
         # a tensor's costs ~5; history is a zero-copy tensor view of it
-        self._ids = np.array(list(prompt_ids) + [0] * max(64, len(prompt_ids)), dtype=np.int64)
+        self._ids = np.zeros(self.n_prompt + max(64, self.n_prompt), dtype=np.int64)
+        self._ids[:self.n_prompt] = prompt_ids          # (half the time of building a padded list first)
         self._n = self.n_prompt
         self.rng = torch.Generator()
         if params.seed is None:
