@@ -33,7 +33,10 @@ from .cache import KVCache
 from .model import Model, batch_on, on_device
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-TOKEN_SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)     # of PrefillGraphs
+# of PrefillGraphs: a step's padding (rows every kernel of it computes for nothing) at most an eighth of its size
+# above 64 tokens: multiples of 8 up to 128, then eight sizes an octave
+TOKEN_SIZES = tuple(range(8, 129, 8)) + tuple(s for octave in (128, 256, 512, 1024)
+                                              for s in range(octave + octave // 8, 2 * octave + 1, octave // 8))
 # per sequence in a captured step (decode; verify: 1 + up to 7 drafted): attention must run them as split-K rows,
 # which reads nothing on the host (kernels.attention.ROW_KERNEL_MAX_NEW >= this)
 MAX_TOKENS = 8
