@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..batch import upload
 from ..errors import ConfigError
 from . import kv_cache
-from .loader import compute_capability, launch, module
+from .loader import aligned, compute_capability, launch, module
 
 LOG2E = 1.4426950408889634      # the kernel's softmax works in base 2
 THREADS = 256                   # attention.cu: 8 warps per block
@@ -76,9 +76,7 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
             scale: float, window: int | None = None, softcap: float | None = None) -> Tensor:
     """Attention of single query rows: q [R, H, Dh] at positions [R] (int64), row r of sequence row_seq[r]
     (int32 [R]; None: r). One launch, no host reads, so CUDA-graph safe."""
-    q = q.contiguous()
-    if q.data_ptr() % 16:           # the kernel reads query rows in 16-byte pieces
-        q = q.clone()
+    q = aligned(q.contiguous())     # the kernel reads query rows in 16-byte pieces
     rows, n_heads, head_dim = q.shape
     n_kv = cache.config.n_kv_heads
     head_blocks = -(-(n_heads // n_kv) // HEADS_PER_BLOCK)

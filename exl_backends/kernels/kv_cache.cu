@@ -148,6 +148,13 @@ __device__ __forceinline__ void rope_kv_write(const half* __restrict__ q, const 
 
 }  // namespace
 
+// A row of `width` halves (width % 8 == 0, both 16-byte aligned) from src to dst, by the block's threads.
+__device__ __forceinline__ void copy_row(half* __restrict__ dst, const half* __restrict__ src, int width) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int i = threadIdx.x; i < width / 8; i += blockDim.x) d[i] = s[i];
+}
+
 // kv_write_f16: copies the rows k[T, E] and v[T, E] (fp16) into k_cache/v_cache[slots[t], E].
 // grid (T, 2): blockIdx.y 0 copies K, 1 copies V. block 128 threads; each thread moves 16-byte vectors of the row.
 // Needs E % 8 == 0 and 16-byte aligned rows (the launcher checks).
@@ -156,12 +163,8 @@ extern "C" __global__ void kv_write_f16(const half* __restrict__ k, const half* 
                                         const long long* __restrict__ slots, int width) {
     exl::pdl_trigger();     // dependent launch (common.cuh): every input comes from an earlier kernel
     exl::pdl_wait();
-    const int t = blockIdx.x;
-    const half* src = (blockIdx.y == 0 ? k : v) + (size_t)t * width;
-    half* dst = (blockIdx.y == 0 ? k_cache : v_cache) + (size_t)slots[t] * width;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (int i = threadIdx.x; i < width / 8; i += blockDim.x) d[i] = s[i];
+    const size_t row = blockIdx.x, slot = slots[row];
+    copy_row((blockIdx.y == 0 ? k_cache : v_cache) + slot * width, (blockIdx.y == 0 ? k : v) + row * width, width);
 }
 
 // kv_read_f16: the rows k_cache/v_cache[slots[t], E] (fp16) -> k_out, v_out [T, E]: kv_write_f16 backwards, one
@@ -172,10 +175,9 @@ extern "C" __global__ void kv_read_f16(const half* __restrict__ k_cache, const h
                                        half* __restrict__ v_out, int width) {
     exl::pdl_trigger();
     exl::pdl_wait();
-    const int t = blockIdx.x;
-    const uint4* s = reinterpret_cast<const uint4*>((blockIdx.y == 0 ? k_cache : v_cache) + (size_t)slots[t] * width);
-    uint4* d = reinterpret_cast<uint4*>((blockIdx.y == 0 ? k_out : v_out) + (size_t)t * width);
-    for (int i = threadIdx.x; i < width / 8; i += blockDim.x) d[i] = s[i];
+    const size_t row = blockIdx.x, slot = slots[row];
+    copy_row((blockIdx.y == 0 ? k_out : v_out) + row * width, (blockIdx.y == 0 ? k_cache : v_cache) + slot * width,
+             width);
 }
 
 // kv_write_quant: quantizes the rows k[T, E] and v[T, E] (fp16) into the codes and scales of slots[t].

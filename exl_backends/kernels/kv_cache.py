@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .loader import launch
+from .loader import aligned, launch
 
 THREADS = 128
 WARPS = THREADS // 32   # kv_write_quant / kv_dequantize / rope_kv_write: one warp per 64 elements
@@ -49,7 +49,7 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache,
     n_kv = k.shape[1]
     if head_dim % 4:
         raise ValueError(f"rope_write needs head_dim % 4 == 0 (got {head_dim})")
-    q, k, v, cos, sin = (_aligned(x) for x in (q, k, v, cos, sin))
+    q, k, v, cos, sin = (_half_pairs(x) for x in (q, k, v, cos, sin))
     q_out = torch.empty_like(q)
     warps = -(-n_heads * head_dim // 64) + 2 * -(-n_kv * head_dim // 64)      # per token: q, then k, then v
     if tokens:
@@ -65,16 +65,14 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache,
     return q_out
 
 
-def _aligned(x: Tensor) -> Tensor:
+def _half_pairs(x: Tensor) -> Tensor:
     """Contiguous fp16 with 4-byte aligned rows (rope_kv_write moves element pairs)."""
-    x = x.to(torch.float16).contiguous()
-    return x if x.data_ptr() % 4 == 0 else x.clone()
+    return aligned(x.to(torch.float16).contiguous(), 4)
 
 
 def _rows(x: Tensor) -> Tensor:
     """[T, Hkv, Dh] -> contiguous, 16-byte aligned fp16 [T, E] (the kernels move 16-byte vectors)."""
-    x = x.reshape(x.shape[0], -1).to(torch.float16).contiguous()
-    return x if x.data_ptr() % 16 == 0 else x.clone()
+    return aligned(x.reshape(x.shape[0], -1).to(torch.float16).contiguous())
 
 
 def read(cache, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..errors import DeviceError
 from . import driver
@@ -109,6 +110,12 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
     stream_ptr = torch._C._cuda_getCurrentRawStream(device)    # torch.cuda.current_stream() costs ~10 us more
     driver.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr,
                   programmatic=bool(stream_ptr) and _use_pdl(family, cc))
+
+
+def aligned(x: Tensor, boundary: int = 16) -> Tensor:
+    """x, or a copy of it whose data starts on a `boundary`-byte boundary (for kernels that move vectors of that
+    size: a view into a larger tensor may start anywhere)."""
+    return x if x.data_ptr() % boundary == 0 else x.clone()
 
 
 # Per-launch lookups, memoised: a decode step outside a CUDA graph launches ~400 kernels, and a launch's host time

@@ -29,7 +29,7 @@ from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
 from . import activation, norm
-from .loader import compute_capability, launch
+from .loader import aligned, compute_capability, launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
 STRIP = 32                      # columns per strip (one warp)
@@ -470,11 +470,6 @@ def _fill_parts(p: np.ndarray, layouts: list[LaneLayout], biases: list[Tensor | 
     return block0, ws, starts_all
 
 
-def _aligned(x: Tensor) -> Tensor:
-    """x, or a copy of it whose data is 16-byte aligned (kernels that read 16-byte vectors)."""
-    return x if x.data_ptr() % 16 == 0 else x.clone()
-
-
 def _check_fp16(*tensors: Tensor | None) -> None:
     for t in tensors:
         if t is not None and t.dtype != torch.float16:
@@ -611,7 +606,7 @@ class QuantMatmul:
         elif path == self._dequant_matmul:
             ys = path(activation.silu_mul(x, up.reshape(x.shape)))
         else:
-            ys = path(x, (_aligned(up.reshape(x.shape).contiguous()), *PLAIN[1:]))   # (permute_x: 16-byte vectors)
+            ys = path(x, (aligned(up.reshape(x.shape).contiguous()), *PLAIN[1:]))   # (permute_x: 16-byte vectors)
         return [y.reshape(*lead, lay.n) for y, lay in zip(ys, self.layouts)]
 
     def forward_normed(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float) -> tuple[list[Tensor], Tensor]:
@@ -718,7 +713,7 @@ class QuantMatmul:
         m, k = x.shape
         xp = torch.empty(len(self.layouts), m, k, dtype=torch.float16, device=x.device)
         launch("quant_matmul", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,),
-               args=(plan.arg(), m, _aligned(x), *before, xp), shared_mem=2 * k)
+               args=(plan.arg(), m, aligned(x), *before, xp), shared_mem=2 * k)
         return list(xp)
 
     def _dequant_matmul(self, x: Tensor) -> list[Tensor]:
