@@ -159,7 +159,7 @@ def test_prefill_pieces_replay_the_eager_logits(cache_mode):
         now = [t[256 * p:256 * (p + 1)] for layer in cache.layers for t in (layer.k, layer.v)
                for p in pages[0] + pages[1] + pages[2]]
         assert all((a.float() - b.float()).norm() <= 2e-3 * b.float().norm() for a, b in zip(now, kept))
-    assert sorted(runner.prefill.graphs) == [8, 96, 384]
+    assert sorted(runner.prefill.graphs) == [8, 96, 352]      # 7, 93 and 340 tokens, padded (runner.TOKEN_SIZES)
 
 
 @needs_fixtures()
