@@ -34,7 +34,8 @@ from .model import Model, batch_on, on_device
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # of PrefillGraphs: a step's padding (rows every kernel of it computes for nothing) at most an eighth of its size
-# above 64 tokens: multiples of 8 up to 128, then eight sizes an octave
+# above 64 tokens: multiples of 8 up to 128, then eight sizes an octave. Each size's graphs are captured on its
+# first step (~40 ms for the 8B shape), so finer sizes cost first steps, not later ones.
 TOKEN_SIZES = tuple(range(8, 129, 8)) + tuple(s for octave in (128, 256, 512, 1024)
                                               for s in range(octave + octave // 8, 2 * octave + 1, octave // 8))
 # per sequence in a captured step (decode; verify: 1 + up to 7 drafted): attention must run them as split-K rows,
