@@ -43,18 +43,21 @@ class Rope:
         self.original_max_position = rope.original_max_position
         self.scale = rope.cos_sin_scale()
 
-    def cos_sin(self, batch: Batch, ops: Ops, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, self.scale, dtype)     # [T, Dh] each
+    def cos_sin(self, positions: Tensor, seq_lens: Tensor | None, ops: Ops,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, Dh] of positions [T]; seq_lens [T]: each token's sequence length after this pass (only
+        longrope reads it: token_seq_lens)."""
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
         if self.long_inv_freq is None:
             return cos, sin
         # longrope: every token of a sequence longer than the pretraining context takes the long factors, as
         # transformers does for a forward call whose positions run past it (decided on device: no host sync)
-        long_cos, long_sin = ops.rope_cos_sin(batch.positions, self.long_inv_freq, self.scale, dtype)
-        is_long = (_token_seq_lens(batch) > self.original_max_position)[:, None]
+        long_cos, long_sin = ops.rope_cos_sin(positions, self.long_inv_freq, self.scale, dtype)
+        is_long = (seq_lens > self.original_max_position)[:, None]
         return torch.where(is_long, long_cos, cos), torch.where(is_long, long_sin, sin)
 
 
-def _token_seq_lens(batch: Batch) -> Tensor:
+def token_seq_lens(batch: Batch) -> Tensor:
     """[T]: for each token, the length its sequence has after this pass."""
     rows = torch.arange(batch.input_ids.shape[0], dtype=batch.cu_seqlens.dtype, device=batch.cu_seqlens.device)
     return batch.seq_lens[torch.searchsorted(batch.cu_seqlens[1:], rows, right=True)]
@@ -97,6 +100,8 @@ class Model:
         self.rope = Rope(config.rope, config.head_dim, device)
         self.local_rope = None if config.local_rope is None else Rope(config.local_rope, config.head_dim, device)
         self.stage_ropes = {s.device: self._ropes(s.device) for s in self.stages}
+        # longrope's tables need each token's sequence length (token_seq_lens)
+        self.long_rope = any(r is not None and r.long_inv_freq is not None for r in (self.rope, self.local_rope))
         # Gemma: sqrt(hidden_size), rounded to the compute dtype as transformers rounds it
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device) \
             if config.traits.scale_embeddings else None
@@ -147,7 +152,7 @@ class Model:
         (so that its q/k/v launch can apply that norm: FusedLinear.after_norm). Returns (h, residual) for the next
         stage, or after the last one the f32 logits [R, vocab] for batch.logit_rows (None: every row)."""
         stage = self.stages[k]
-        ropes = self.cos_sin(batch, stage.device)
+        ropes = self.cos_sin(batch.positions, token_seq_lens(batch) if self.long_rope else None, stage.device)
         if carry is None:
             h, residual = self.embed_tokens(batch.input_ids)
         else:
@@ -159,12 +164,13 @@ class Model:
             return h, residual
         return self.logits(h, residual, batch)
 
-    def cos_sin(self, batch: Batch, device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
-        """The rope tables of the batch's positions on a stage's device, by Block.local_rope."""
+    def cos_sin(self, positions: Tensor, seq_lens: Tensor | None,
+                device: torch.device) -> dict[bool, tuple[Tensor, Tensor]]:
+        """The rope tables of positions [T] on a stage's device, by Block.local_rope (Rope.cos_sin)."""
         rope, local = self.stage_ropes[device]
-        ropes = {False: rope.cos_sin(batch, self.ops, self.dtype)}
+        ropes = {False: rope.cos_sin(positions, seq_lens, self.ops, self.dtype)}
         if local is not None:
-            ropes[True] = local.cos_sin(batch, self.ops, self.dtype)
+            ropes[True] = local.cos_sin(positions, seq_lens, self.ops, self.dtype)
         return ropes
 
     def embed_tokens(self, input_ids: Tensor) -> tuple[Tensor, None]:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .batch import Batch
 from .cache import KVCache
-from .model import Model, batch_on, on_device
+from .model import Model, batch_on, on_device, token_seq_lens
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # of PrefillGraphs: a step's padding (rows every kernel of it computes for nothing) at most an eighth of its size
@@ -232,12 +232,16 @@ class PrefillGraphs:
         self.model, self.cache, self.pool = model, cache, pool
         self.pad_slots = trash_page * cache.page_size + torch.arange(n, device=dev) % cache.page_size
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev) if model.long_rope else None
         self.slots = self.pad_slots.clone()
         self.q = torch.zeros(n, c.n_heads, c.head_dim, dtype=model.dtype, device=dev)
         self.attn = torch.zeros(n, c.n_heads * c.head_dim, dtype=model.dtype, device=dev)
         self.residual = torch.zeros(n, c.hidden_size, dtype=model.dtype, device=dev)
         self.h = torch.zeros_like(self.residual)
-        self.ropes: dict[bool, tuple[Tensor, Tensor]] = {}      # static cos/sin, shaped by the first batch
+        # static cos/sin, which piece 0 computes from the static positions (eager, they cost ~10 launches a step)
+        self.ropes = {local: tuple(x.new_zeros(n, x.shape[1]) for x in pair)
+                      for local, pair in model.cos_sin(self.positions[:1], self._seq_lens(1), dev).items()}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
 
     @staticmethod
@@ -247,18 +251,14 @@ class PrefillGraphs:
 
     def run(self, size: int, batch: Batch) -> Tensor:
         m, t = self.model, batch.input_ids.shape[0]
-        ropes = m.cos_sin(batch, m.device)
-        if not self.ropes:
-            self.ropes = {local: tuple(torch.zeros(TOKEN_SIZES[-1], *x.shape[1:], dtype=x.dtype, device=x.device)
-                                       for x in pair) for local, pair in ropes.items()}
         if size not in self.graphs and m.device.type == "cuda":
             self.graphs[size] = self._capture(size)
         self.ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)       # (padding rows keep stale positions: their K/V go to trash)
         self.slots[:t].copy_(batch.slots)
         self.slots[t:size].copy_(self.pad_slots[t:size])
-        for local, pair in ropes.items():
-            for static, x in zip(self.ropes[local], pair):
-                static[:t].copy_(x)
+        if self.seq_lens is not None:
+            self.seq_lens[:t].copy_(token_seq_lens(batch))
         for i, block in enumerate(m.blocks):
             self._replay(i, size)
             self.attn[:t].copy_(block.attention.attend(self.q[:t], batch, self.cache, m.ops))
@@ -276,6 +276,9 @@ class PrefillGraphs:
         m = self.model
         if i == 0:
             h, residual = m.embed_tokens(self.ids[:n])
+            for local, pair in m.cos_sin(self.positions[:n], self._seq_lens(n), m.device).items():
+                for static, x in zip(self.ropes[local], pair):
+                    static[:n].copy_(x)
         else:
             h, residual = m.after_attention(i - 1, self.attn[:n], self.residual[:n])
         if i == len(m.blocks):
@@ -286,6 +289,9 @@ class PrefillGraphs:
         q, residual = m.project(i, h, residual, self.slots[:n], self.cache, ropes)
         self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
+
+    def _seq_lens(self, n: int) -> Tensor | None:
+        return None if self.seq_lens is None else self.seq_lens[:n]
 
     def _capture(self, size: int) -> list[torch.cuda.CUDAGraph]:
         self.slots.copy_(self.pad_slots)        # the warm-up writes K/V: to the trash page, not a sequence's slots

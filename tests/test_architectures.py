@@ -355,7 +355,7 @@ def test_longrope_factors_are_chosen_per_sequence_of_a_packed_batch():
                         original_max_position_embeddings=32)
     rope = model_module.Rope(config.rope, config.head_dim, torch.device("cpu"))
     batch = Batch.build([SeqChunk(list(range(5)), 20, [0, 1]), SeqChunk(list(range(6)), 30, [2, 3])], 32)
-    cos, sin = rope.cos_sin(batch, REFERENCE_OPS, torch.float32)
+    cos, sin = rope.cos_sin(batch.positions, model_module.token_seq_lens(batch), REFERENCE_OPS, torch.float32)
     for rows, inv_freq in ((slice(0, 5), config.rope.inv_freq(16)), (slice(5, 11), config.rope.long_inv_freq(16))):
         expect = reference.rope_cos_sin(batch.positions[rows], inv_freq, config.rope.cos_sin_scale(), torch.float32)
         torch.testing.assert_close((cos[rows], sin[rows]), expect)

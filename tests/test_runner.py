@@ -100,6 +100,28 @@ def cache_contents(cache: KVCache) -> list[torch.Tensor]:
     return [t.clone() for layer in cache.layers for t in (layer.k, layer.v)]
 
 
+LONGROPE = dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                              "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+                              "original_max_position_embeddings": 32}, original_max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("family,overrides", [("phi3", LONGROPE), ("gemma3", {})], ids=["longrope", "local_rope"])
+def test_token_pieces_make_each_ropes_tables_as_eager(tmp_path, family, overrides):
+    """Piece 0 makes the rope tables from the step's positions (and for longrope each token's sequence length:
+    one sequence here ends past original_max_position 32, the other within it), as an eager forward does; a
+    second, shorter step on the same buffers too."""
+    save_tiny(tmp_path, tiny_config(family, **overrides))
+    model = Model.load(tmp_path, ModelConfig.from_dir(tmp_path), "cpu", torch.float32)
+    assert model.long_rope == (family == "phi3")
+    lengths = [5, 21, 40]
+    cache, pages = prefilled(model, lengths)
+    runner = Runner(model, cache, max_batch=8, max_pages=4, eager=False)
+    for tokens in ([2, 9, 4], [1, 2, 1]):
+        batch = verify_batch(lengths, pages, tokens)
+        torch.testing.assert_close(runner.forward(batch), model.forward(batch, cache), rtol=1e-5, atol=1e-5)
+        lengths = [n + t for n, t in zip(lengths, tokens)]
+
+
 @pytest.mark.parametrize("tokens", [[2, 3, 2], [1, 11, 1], [9, 20, 23]])
 def test_token_pieces_equal_eager_and_pad_into_the_trash_page(model, tokens):
     """Steps no decode graph takes (unlike sequences, prompt chunks beside decode rows, prompts) through the pieces

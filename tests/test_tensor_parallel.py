@@ -117,7 +117,7 @@ def probe(m: Model, out: dict, name: str) -> None:
     batch = probe_batch()
     x = torch.randn(batch.input_ids.shape[0], m.config.hidden_size, generator=torch.Generator().manual_seed(5))
     cache = KVCache(m.config, 2, 256, "fp16", dtype=torch.float32)
-    cos, sin = m.rope.cos_sin(batch, m.ops, torch.float32)
+    cos, sin = m.rope.cos_sin(batch.positions, None, m.ops, torch.float32)
     block = m.blocks[0]
     out[f"{name}/attention"] = block.attention(x, batch, cache, cos, sin, m.ops)
     out[f"{name}/mlp"] = block.mlp(x, m.ops)

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import formats, model, reference
 from ..batch import Batch, SeqChunk
 from ..config import ModelConfig
-from ..model import Block, LinearSpec, Rope
+from ..model import Block, LinearSpec, Rope, token_seq_lens
 from ..ops import REFERENCE_OPS
 from ..tensors import TensorStore
 from .gptq import Hessian
@@ -242,7 +242,8 @@ class Context:
         if n not in self._chunks:
             seqs = [SeqChunk([0] * self.length, 0, [r]) for r in range(n)]
             batch = Batch.build(seqs, self.length, self.device, all_logits=True)
-            self._chunks[n] = batch, {local: rope.cos_sin(batch, REFERENCE_OPS, torch.float32)
+            lens = token_seq_lens(batch)
+            self._chunks[n] = batch, {local: rope.cos_sin(batch.positions, lens, REFERENCE_OPS, torch.float32)
                                       for local, rope in self.ropes.items()}
         return self._chunks[n]
 
