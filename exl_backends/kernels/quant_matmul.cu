@@ -82,7 +82,8 @@
 //   256), parts), one column pair per thread), which adds the bias: the "last block reduces" scheme of the small-M
 //   kernels would leave one block reading splits x 64 x 256 x 4 bytes alone.
 //   permute_x: grid (M, parts), block 256, dynamic shared memory 2K bytes: x_i[m][k] = x[m][perm_i[gemm_k_row(k)]]
-//   (perm_i the identity for a part without one), through the row in shared memory (coalesced reads and writes);
+//   (perm_i the identity for a part without one), through the row in shared memory (coalesced reads and writes;
+//   the perm entries read before pdl_wait);
 //   x replaced, as in stage_xs, by the block's norm of it or the gated MLP's silu_mul, which then take no launch.
 //
 // WGMMA KERNELS  <fmt>_wgmma (WGMMA_MIN_M <= M <= WGMMA_MAX_M rows of x, compute capability 9.0 only: NVRTC builds
@@ -1581,7 +1582,32 @@ EXL_HD int gemm_k_row(int k)
 // thread takes 8 consecutive elements at a time, as 16-byte vectors (x, up, residual, norm_w, new_residual and xp
 // 16-byte aligned: the launcher sees to it; K a multiple of 32, as every lane layout's), the vectors residual_row
 // gives it: with few blocks (M x parts), a thread's chain of one-element loads and stores set the time (1.23 ms
-// over a cached-prefix first token's 128 launches, 0.85 ms so, on the H200).
+// over a cached-prefix first token's 128 launches, 0.85 ms so, on the H200). The perm entries of a thread's first
+// PERMUTE_AHEAD output vectors (K <= 14,336: all) are read before pdl_wait, off the chain of dependent loads: that
+// step's GPU time 9.9 -> 9.2-9.3 ms (several blocks a row, each gathering from global memory: 9.6; BENCHMARKS.md).
+constexpr int PERMUTE_AHEAD = 7;
+
+// The 8 rows of x that output vector o of permute_x gathers: xp's k = 8o + j is chunk row base + 4 (j / 2) +
+// 2 half + j % 2 (gemm_k_row), half = which 8 of the 16.
+__device__ __forceinline__ void permute_sources(const int* perm, int o, int (&src)[8])
+{
+    const int base = 8 * o - 8 * o % 16, half_ = o % 2;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int r = base + 4 * (j / 2) + 2 * half_ + j % 2;
+        src[j] = perm ? __ldg(perm + r) : r;
+    }
+}
+
+__device__ __forceinline__ uint4 gather_vector(const half* row_s, const int (&src)[8])
+{
+    uint4 v;
+    half* h = reinterpret_cast<half*>(&v);
+#pragma unroll
+    for (int j = 0; j < 8; j++) h[j] = row_s[src[j]];
+    return v;
+}
+
 __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x, const half* up, const half* residual,
                                           const half* norm_w, half* new_residual, float eps, half* xp)
 {
@@ -1589,6 +1615,10 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
     const int K = p.K, m = blockIdx.x;
     const int* perm = p.part[blockIdx.y].perm;
     const size_t at = (size_t)m * K;
+    int ahead[PERMUTE_AHEAD][8];
+#pragma unroll
+    for (int a = 0; a < PERMUTE_AHEAD; a++)
+        if (threadIdx.x + a * THREADS < K / 8) permute_sources(perm, threadIdx.x + a * THREADS, ahead[a]);
     pdl_wait();                                        // x is an earlier kernel's
     const float inv_rms = norm_w ? residual_row(x, residual, K, at, eps) : 0.f;
     for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
@@ -1611,17 +1641,13 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
     }
     __syncthreads();
     uint4* out = reinterpret_cast<uint4*>(xp + ((size_t)blockIdx.y * M + m) * K);
-    for (int o = threadIdx.x; o < K / 8; o += THREADS) {
-        // xp's k = 8o + j is chunk row base + 4 (j / 2) + 2 half + j % 2 (gemm_k_row), half = which 8 of the 16
-        const int base = 8 * o - 8 * o % 16, half_ = o % 2;
-        uint4 v;
-        half* h = reinterpret_cast<half*>(&v);
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int r = base + 4 * (j / 2) + 2 * half_ + j % 2;
-            h[j] = row_s[perm ? __ldg(perm + r) : r];
-        }
-        out[o] = v;
+    for (int a = 0; a < PERMUTE_AHEAD; a++)
+        if (threadIdx.x + a * THREADS < K / 8) out[threadIdx.x + a * THREADS] = gather_vector(row_s, ahead[a]);
+    for (int o = threadIdx.x + PERMUTE_AHEAD * THREADS; o < K / 8; o += THREADS) {
+        int src[8];
+        permute_sources(perm, o, src);
+        out[o] = gather_vector(row_s, src);
     }
 }
 
