@@ -338,7 +338,11 @@ def test_prompt_ids_outside_the_vocabulary_raise(tiny):
     for ids, bad in (([3, -1, 4], -1), ([3, vocab, 2 * vocab], vocab)):
         with pytest.raises(ValueError, match=rf"prompt token id {bad} is outside the vocabulary \(0 to {vocab - 1}\)"):
             gen.submit(ids)
+    for ids in ([3, 2.5], [3, "4"], [3, 2 ** 70]):     # not silently truncated or parsed
+        with pytest.raises(ValueError, match="prompt token ids must be integers"):
+            gen.submit(ids)
     assert gen.generate([3, vocab - 1], max_new_tokens=2, stop_token_ids=[]).token_ids       # the edges are fine
+    assert gen.generate(torch.tensor([3, 5]), max_new_tokens=2, stop_token_ids=[]).token_ids     # a tensor of ids
 
 
 def test_stop_token_and_min_new_tokens(tiny):
