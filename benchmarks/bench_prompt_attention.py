@@ -7,6 +7,9 @@ of the Llama-3-8B shape (32 query heads, 8 kv heads, head_dim 128), K/V already 
   bottom-right; one prompt without a window takes the dense call, as `sdpa flash` below: NOTES-attention.md);
 - SDPA efficient / cudnn / flash: `scaled_dot_product_attention` with `causal_lower_right` (GQA by enable_gqa, or
   the kv heads repeated where the backend needs it), each backend forced;
+- gather + sdpa flash: the path an fp16 cache takes, K/V first gathered from 256-key pages scattered over a pool
+  (torch indexing, standing in for kv_cache.read), then the dense call (torch 2.11's varlen flash takes no block
+  table, so the gather stays: NOTES-attention.md);
 - split: the prefix cut into pieces of --piece keys as extra varlen sequences (non-causal), one causal call over the
   new keys, merged by log-sum-exp in torch (the variant NOTES-attention.md measured and reverted, for the floor).
 
@@ -59,6 +62,30 @@ def sdpa(backend, q, k, v, scale):
     return call
 
 
+def paged_pool(k, v, page):
+    """k, v [keys, Hkv, Dh] in pages of `page` keys, scattered over a pool three pages larger: (pool_k, pool_v,
+    block table int32 [1, pages])."""
+    keys = k.shape[0]
+    pages = -(-keys // page)
+    order = torch.randperm(pages + 3, device=k.device)[:pages]
+    pools = []
+    for x in (k, v):
+        pool = torch.zeros(pages + 3, page, KV_HEADS, DH, dtype=x.dtype, device=x.device)
+        pool.view(-1, KV_HEADS, DH)[(order[:, None] * page + torch.arange(page, device=x.device)).flatten()[:keys]] = x
+        pools.append(pool)
+    return pools[0], pools[1], order.int()[None]
+
+
+def gather_then_flash(q, k, v, scale):
+    keys = k.shape[0]
+    pool_k, pool_v, table = paged_pool(k, v, 256)
+
+    def call():
+        kg, vg = (pool[table[0].long()].view(-1, KV_HEADS, DH)[:keys] for pool in (pool_k, pool_v))
+        return sdpa(SDPBackend.FLASH_ATTENTION, q, kg, vg, scale)()
+    return call
+
+
 def per_sequence(lse, m, n):
     """Varlen flash's log-sum-exp as [m, H, n]: it comes as [H, m n] (unpadded) or [m, H, max_q], by version."""
     return lse.view(HEADS, m, n).transpose(0, 1) if lse.dim() == 2 else lse[:, :, :n]
@@ -107,7 +134,8 @@ def main() -> None:
                       "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION, q, k, v, scale),
                       "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, scale),
                       "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, scale),
-                      f"split {args.piece}": split(q, k, v, scale, args.piece)}
+                      f"split {args.piece}": split(q, k, v, scale, args.piece),
+                      "gather + sdpa flash": gather_then_flash(q, k, v, scale)}
         for name, call in candidates.items():
             try:
                 err = (call().float() - ref).abs().max().item()
