@@ -2,7 +2,7 @@
 with the family's launches replaced by nothing (an empty output; the logits are garbage, the timing is not). A
 profiler's kernel times overlap under programmatic dependent launch; these differences do not.
 
-    python benchmarks/ablate_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--context 256]
+    python benchmarks/ablate_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--context 256] [--batch 1,16]
 """
 from __future__ import annotations
 
@@ -68,18 +68,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--batch", default="1", help="sequences per step, e.g. 1,16 (each timed)")
     args = ap.parse_args()
     variants = [[]] + [[f] for f in [*OPS_LEFT_OUT, *CLASS_LEFT_OUT]] + [[*OPS_LEFT_OUT, "stage_xs"]]
     for shape in args.shapes.split(","):
         model = synthetic_model(shape)
-        base = None
-        print(f"\n{shape} ctx {args.context}: graph replay, µs per step")
-        print(f"{'left out':50} {'us/step':>8} {'saved':>7}")
-        for families in variants:
-            with left_out(model, families):
-                us = 1e6 / decode_speed(model, args.context, "fp16", steps=200)["replay_tok_s"]
-            base = us if base is None else base
-            print(f"{', '.join(families) or '(nothing)':50} {us:8.1f} {base - us:7.1f}")
+        for batch in map(int, args.batch.split(",")):
+            base = None
+            print(f"\n{shape} ctx {args.context}, batch {batch}: graph replay, µs per step")
+            print(f"{'left out':50} {'us/step':>8} {'saved':>7}")
+            for families in variants:
+                with left_out(model, families):
+                    speed = decode_speed(model, args.context, "fp16", steps=200, batch=batch)
+                us = batch * 1e6 / speed["replay_tok_s"]
+                base = us if base is None else base
+                print(f"{', '.join(families) or '(nothing)':50} {us:8.1f} {base - us:7.1f}")
         del model
         torch.cuda.empty_cache()
 

@@ -23,8 +23,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import math
+import statistics
 import pstats
 import sys
 import time
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import SyntheticLM, WordTokenizer, in_process, random_prompts  # noqa: E402
 from shapes import synthetic_model  # noqa: E402
 
-from exl_backends import Generator, SamplingParams  # noqa: E402
+from exl_backends import Generator, SamplingParams, generator  # noqa: E402
 from exl_backends.batch import Batch, SeqChunk  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -67,6 +69,30 @@ def sync(device: torch.device) -> None:
 
 # ---- concurrency ---------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def step_clock():
+    """Per engine step: when it started and how long its host waited for the GPU's tokens (Launched.tokens): a
+    step that waits ~0 leaves the GPU waiting for the host instead."""
+    starts, waits = [], []
+    step, tokens = Generator._step, generator.Launched.tokens
+
+    def timed_step(self):
+        starts.append(time.perf_counter())
+        return step(self)
+
+    def timed_tokens(self):
+        t0 = time.perf_counter()
+        if self.done is not None:
+            self.done.synchronize()
+        waits.append(time.perf_counter() - t0)
+        return tokens(self)
+    Generator._step, generator.Launched.tokens = timed_step, timed_tokens
+    try:
+        yield starts, waits
+    finally:
+        Generator._step, generator.Launched.tokens = step, tokens
+
+
 def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile: bool = False,
                 sampling: SamplingParams = GREEDY) -> list[dict]:
     seq = prompt_len + max_tokens
@@ -75,9 +101,12 @@ def concurrency(lm, levels: list[int], prompt_len: int, max_tokens: int, profile
     rows = []
     for i, n in enumerate(levels):
         in_process(gen, random_prompts(n, prompt_len, vocab, seed=1000 + i), n, max_tokens, sampling)   # warm-up
-        r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens, sampling)
+        with step_clock() as (starts, waits):
+            r = in_process(gen, random_prompts(n, prompt_len, vocab, seed=2000 + i), n, max_tokens, sampling)
+        gaps = [b - a for a, b in zip(starts[1:], starts[2:])]       # decode steps (the first: the prefill)
         rows.append(dict(jobs=n, tok_s=r["tok_s"], decode_tok_s=r["decode_tok_s"], per_job_tok_s=r["per_request_tok_s"],
-                         ttft_ms=r["ttft_ms"]))
+                         ttft_ms=r["ttft_ms"], steps=len(starts), step_ms=1000 * statistics.median(gaps or [0]),
+                         wait_ms=1000 * statistics.median(waits or [0])))
     if profile:     # the last level's jobs, consumed (so their steps run) in this thread, where cProfile sees them
         n = levels[-1]
         prompts = random_prompts(n, prompt_len, vocab, seed=4000)
@@ -382,7 +411,8 @@ def main() -> None:
             lines.append(f"{args.shape} {r['jobs']:>3} {args.sampling} jobs: {r['tok_s']:8.1f} tok/s aggregate "
                          f"({r['vs_one_job']:.2f}x one job; decode phase {r['decode_tok_s']:.1f} tok/s = "
                          f"{r['decode_vs_one_job']:.2f}x), {r['per_job_tok_s']:.1f} tok/s per job, "
-                         f"TTFT {r['ttft_ms']:.0f} ms")
+                         f"TTFT {r['ttft_ms']:.0f} ms; {r['steps']} steps, median {r['step_ms']:.2f} ms apart, "
+                         f"the host waiting {r['wait_ms']:.2f} ms of it for the GPU")
     if "ttft" in parts:
         r = ttft(lm, args.ttft_prompt, args.ttft_prefix, rounds=10, profile=args.profile)
         lines.append(f"TTFT {r['prompt']}-token prompt: cold {r['cold_ms']:.1f} ms, {r['prefix']}-token prefix "

@@ -93,37 +93,38 @@ def _cache(model: Model | TensorParallelModel, n_pages: int, page_size: int, cac
 
 
 def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: str = "fp16", steps: int = 64,
-                 page_size: int = 256) -> dict:
-    """Batch-1 decode at a given context (cache filled with random K/V): tokens/s with a host sync per token
-    (as generation needs) and, for a model on one GPU, graph replays alone. bytes: what one GPU reads per token
-    (tensor parallel: rank 0's shard and its kv heads' cache)."""
+                 page_size: int = 256, batch: int = 1) -> dict:
+    """Decode of `batch` sequences at a given context (cache filled with random K/V): tokens/s in all with a host
+    sync per step (as generation needs) and, for a model on one GPU, graph replays alone. bytes: what one GPU reads
+    per step at batch 1 (tensor parallel: rank 0's shard and its kv heads' cache)."""
     n_pages = -(-(context + steps + 4) // page_size)
-    cache = _cache(model, n_pages + 1, page_size, cache_mode)
+    cache = _cache(model, batch * n_pages + 1, page_size, cache_mode)
     fill_cache(cache)
-    pages = cache.pool.allocate(n_pages)
-    runner = Runner(model, cache, max_batch=1, max_pages=n_pages)
-    token = 1
+    pages = [cache.pool.allocate(n_pages) for _ in range(batch)]
+    runner = Runner(model, cache, max_batch=batch, max_pages=n_pages)
+    tokens = [1] * batch
 
     def step(i):
-        return runner.forward(Batch.build([SeqChunk([token], context + i, pages)], page_size, model.device))
+        chunks = [SeqChunk([t], context + i, p) for t, p in zip(tokens, pages)]
+        return runner.forward(Batch.build(chunks, page_size, model.device))
     for i in range(3):
-        token = int(step(i).argmax())
+        tokens = step(i).argmax(-1).tolist()
     t0 = time.perf_counter()
     for i in range(steps):
         logits = step(i)
-        token = int(logits.argmax())
-    result = dict(tok_s=steps / (time.perf_counter() - t0),
+        tokens = logits.argmax(-1).tolist()
+    result = dict(tok_s=batch * steps / (time.perf_counter() - t0),
                   bytes=weight_bytes(shard(model)) + context * bytes_per_token(model.config, cache_mode,
                                                                              model.dtype.itemsize),
                   finite=bool(torch.isfinite(logits).all()))      # a speed of NaN logits is no speed
     if isinstance(runner.graphs, DecodeGraphs) and model.device.type == "cuda":   # tensor parallel replays in lockstep
-        graph = runner.graphs.by_shape[1, 1]
+        graph = runner.graphs.by_shape[batch, 1]
         _sync_all(model)
         t0 = time.perf_counter()
         for _ in range(steps):
             graph.replay()
         _sync_all(model)
-        result["replay_tok_s"] = steps / (time.perf_counter() - t0)
+        result["replay_tok_s"] = batch * steps / (time.perf_counter() - t0)
     return result
 
 

@@ -69,3 +69,10 @@ def test_report_runs_on_a_split_moe_model(dirs, monkeypatch):
     text = bench.report(m, [16], "fp16", [24])
     assert "layer split over 2 devices" in text and "mixture of experts" in text
     assert "prefill 24" in text and "decode ctx 16 (fp16)" in text
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_speed_steps_a_batch(dirs, batch):
+    """The decode measurement runs `batch` sequences a step (CPU: eager) and reports finite logits."""
+    result = bench.decode_speed(Model.load(dirs["llama"]), context=40, steps=3, page_size=32, batch=batch)
+    assert result["finite"] and result["tok_s"] > 0 and "replay_tok_s" not in result

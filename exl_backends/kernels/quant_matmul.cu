@@ -507,7 +507,7 @@ struct NoExtra {
 
 // One width run [c, end) of a strip, from span offset off: batches of batch<B>() chunks (Sink::BATCH if set), then the
 // run's last ones.
-// Sinks with PIPELINE (the M1 matmul) issue the next batch's loads before consuming the current one, so a warp's
+// Sinks with PIPELINE (the staged matmuls) issue the next batch's loads before consuming the current one, so a warp's
 // demand loads stay in flight while it computes (the registers this takes cost one resident block per SM, and
 // still measured 5-38 % faster at M = 1: NOTES-matmul.md v6).
 template <int B, class Fmt, class Sink>
@@ -602,7 +602,9 @@ struct XChunk {
 // from the block's shared memory (MoE stages them per block).
 template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
-    static constexpr bool PIPELINE = M1;       // (M8 too: EXL2 2-3 % faster, GPTQ spills: NOTES-matmul.md v14)
+    // Every staged kernel pipelines its batches (walk_run), the 8- and 16-row ones at one block per SM for the
+    // registers (NOTES-matmul.md v25); MoE's 16-row kernel (two blocks per SM, x in shared memory) does not.
+    static constexpr bool PIPELINE = M1 || GX;
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
     static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
     using Extra = typename Pick<GX, XChunk<N8, M1>, NoExtra::Extra>::T;
@@ -1655,9 +1657,10 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
 
 // ------------------------------------------------------------------------------------------- entry points
 
-// Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): 2, up to 128 registers. M1 ran at
-// 3 (80 registers) until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
-// faster (NOTES-matmul.md). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
+// Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): M1 2, up to 128 registers (it ran
+// at 3, 80 registers, until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
+// faster); M8 and M16 1 (168-247 registers, pipelined: 8-25 % faster than 2 blocks unpipelined; NOTES-matmul.md
+// v25). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
 // ys: the parts' outputs [M, part.n] fp16; ws: split partials (fp32, see Part.ws_offset), unused without splits.
 #define QMM_MATMUL(NAME, FMT, N8, M1, BLOCKS_PER_SM)                                                                   \
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, BLOCKS_PER_SM)                                          \
@@ -1671,11 +1674,11 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
 #define QMM_M1_BLOCKS 2
 #endif
 QMM_MATMUL(exl2_matmul_m1, qmm::Exl2, 1, true, QMM_M1_BLOCKS)
-QMM_MATMUL(exl2_matmul_m8, qmm::Exl2, 1, false, 2)
-QMM_MATMUL(exl2_matmul_m16, qmm::Exl2, 2, false, 2)
+QMM_MATMUL(exl2_matmul_m8, qmm::Exl2, 1, false, 1)
+QMM_MATMUL(exl2_matmul_m16, qmm::Exl2, 2, false, 1)
 QMM_MATMUL(gptq_matmul_m1, qmm::Gptq, 1, true, QMM_M1_BLOCKS)
-QMM_MATMUL(gptq_matmul_m8, qmm::Gptq, 1, false, 2)
-QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 2)
+QMM_MATMUL(gptq_matmul_m8, qmm::Gptq, 1, false, 1)
+QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 1)
 
 // MoE (qmm::moe_matmul): grid (blocks per expert, experts, passes of 1 or 16 rows), block 256, dynamic shared memory
 // as the experts' plans say. experts: Params [E] in device memory (parts w1, w3 or w2 of each expert).

@@ -79,7 +79,8 @@ GEMM_XS = 40                    # halves per x row of a ring slot (quant_matmul.
 # tune_matmul.py --defines QMM_GEMM_BLOCKS=1 compares); K is split until a launch fills one wave of them
 GEMM_RESIDENT = 2
 GEMM_MIN_CHUNKS = 8             # chunks per split at least: fewer would not fill the ring's pipeline
-RESIDENT_BLOCKS = {1: 2, 8: 2, 16: 2}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
+RESIDENT_BLOCKS = {1: 2, 8: 1, 16: 1}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
+MOE_RESIDENT_BLOCKS = {1: 2, 16: 2}     # the MoE kernels' (their 16-row one gathers x per block, unpipelined)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
 MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
 # splits * rows of x: bounds the partial sums the last warp of a strip adds up. With x staged, 128 left 12-16 rows
@@ -769,7 +770,7 @@ class ExpertMatmul:
         self.tables, self.smem, self.blocks, self.max_splits = {}, {}, {}, {}
         for rows in (1, ROWS_PER_PASS):
             rows_class = 1 if rows == 1 else 16
-            slots = max(1, RESIDENT_BLOCKS[rows_class] * n_sm // active)    # (planned as SMs of one block each)
+            slots = max(1, MOE_RESIDENT_BLOCKS[rows_class] * n_sm // active)    # (planned as SMs of one block each)
             splits_of: dict[tuple, list[int]] = {}     # experts with equal widths share a plan
             plans = []
             for lays in experts:
