@@ -54,8 +54,9 @@ class Batch:
                 raise ValueError(f"{len(c.pages)} pages cannot hold {end} tokens")
             ids += c.tokens
             pos += range(c.start, end)
-            for i in range(c.start, end):
-                slots.append(c.pages[i // page_size] * page_size + i % page_size)
+            for p in range(c.start // page_size, (end - 1) // page_size + 1):    # a run of slots per page
+                shift = (c.pages[p] - p) * page_size                             # slot of position i: i + shift
+                slots += range(max(c.start, p * page_size) + shift, min(end, (p + 1) * page_size) + shift)
             cu.append(cu[-1] + len(c.tokens))
             lens.append(end)
         width = max(len(c.pages) for c in chunks)
@@ -106,7 +107,10 @@ def uniform_row_seq(cu_seqlens: list[int]) -> list[int] | None:
     t = cu_seqlens[1] - cu_seqlens[0]
     if t < 2 or any(b - a != t for a, b in zip(cu_seqlens, cu_seqlens[1:])):
         return None
-    return [r // t for r in range(cu_seqlens[-1])]
+    rows = []
+    for b in range(len(cu_seqlens) - 1):
+        rows += [b] * t
+    return rows
 
 
 def pack(longs: list[int], ints: list[int]) -> Tensor:

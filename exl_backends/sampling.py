@@ -37,6 +37,8 @@ OpenAI and vLLM report them by default.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, field
 
@@ -209,15 +211,21 @@ class SamplerState:
         self._ids = np.zeros(self.n_prompt + max(64, self.n_prompt), dtype=np.int64)
         self._ids[:self.n_prompt] = prompt_ids          # (half the time of building a padded list first)
         self._n = self.n_prompt
-        self.rng = torch.Generator()
-        if params.seed is None:
-            self.rng.seed()
-        else:
-            self.rng.manual_seed(params.seed)
         self.mu = 2.0 * params.mirostat_tau
         self._mu_trail: list[float] = []            # mu before each accepted token, for rollback
         self._pending_mu: tuple[int, float] | None = None
         self.dry_breakers = torch.tensor(self._breaker_ids(tokenizer), dtype=torch.long)
+
+    @functools.cached_property
+    def rng(self) -> torch.Generator:
+        """The job's random generator, made on its first draw (a greedy job makes none): seeded by params.seed, else
+        by the OS."""
+        rng = torch.Generator()
+        if self.params.seed is None:
+            rng.seed()
+        else:
+            rng.manual_seed(self.params.seed)
+        return rng
 
     def _breaker_ids(self, tokenizer) -> list[int]:
         p = self.params
