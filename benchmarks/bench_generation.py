@@ -26,8 +26,8 @@ import argparse
 import contextlib
 import cProfile
 import math
-import statistics
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path

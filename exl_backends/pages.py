@@ -23,8 +23,8 @@ from .cache import PagePool
 
 def page_hashes(tokens: list[int], page_size: int, n_pages: int, known: list[bytes]) -> list[bytes]:
     """Chained hashes of the first n_pages full pages of tokens; `known` (a prefix of the answer) is extended.
-    (The new pages' ids go to bytes in one conversion and each page is hashed in place: half the time of a
-    conversion and a concatenation per page, ~50 us for a 2000-token prompt.)"""
+    (The new pages' ids go to bytes in one conversion and each page is hashed in place: ~60 us for a 2000-token
+    prompt, a quarter less than a conversion and a concatenation per page.)"""
     hashes, start = list(known), len(known)
     if start >= n_pages:
         return hashes

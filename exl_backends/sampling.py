@@ -38,7 +38,6 @@ OpenAI and vLLM report them by default.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass, field
 
