@@ -563,16 +563,14 @@ __device__ __forceinline__ void paged_decode(
     if (n_used == 1) return;
 
     // several splits: the last block of the row to get here merges them
-    __threadfence();
-    __syncthreads();
+    __syncthreads();            // the block's partials, then its arrival (release; acquire for the last)
     if (tid == 0) {
         int* counter = counters + (size_t)row * gridDim.y + blockIdx.y;
-        last_s = atomicAdd(counter, 1) == n_used - 1;
+        last_s = exl::arrive(counter) == n_used - 1;
         if (last_s) *counter = 0;   // ready for the next launch
     }
     __syncthreads();
     if (!last_s || warp >= n_g) return;
-    __threadfence();
     const float2* ml = part_ml + head_row * n_splits;
     const float* acc_rows = part_acc + head_row * n_splits * DH;
     float m_max = neg_inf();

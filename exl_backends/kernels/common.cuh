@@ -107,6 +107,18 @@ __device__ __forceinline__ unsigned load_stream(const unsigned* p) { return __ld
 // Starts the DRAM read of p's 128-byte line into L2 without waiting or using a register.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// One arrival at a split-K counter: returns the count before it. Release: what the caller's group wrote before a
+// barrier with it (__syncwarp / __syncthreads) is visible device-wide first (release is cumulative); acquire: the
+// last to arrive then reads everyone's partials (past L1: __ldcg) after its group's next barrier. One atomic in place
+// of __threadfence, atomicAdd, __threadfence, whose sequentially consistent fences each cost a MEMBAR.SC and an L1
+// invalidation in every thread.
+__device__ __forceinline__ int arrive(int* counter)
+{
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    return old;
+}
+
 // ------------------------------------------------------------------------------------------- tensor cores
 
 // Four 8x8 fp16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8 (16 bytes,

@@ -884,13 +884,12 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
     }
     float* part = ws + (size_t)split * ws_rows * Np;
     for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) { part[(size_t)m * Np + col] = v; });
-    __threadfence();                             // partials visible device-wide before this warp is counted
-    __syncwarp();
+    __syncwarp();                                // the warp's partials, then its arrival (release)
     int done = 0;
-    if (lane == 0) done = atomicAdd(counters + strip, 1);
+    if (lane == 0) done = arrive(counters + strip);
     done = __shfl_sync(FULL_MASK, done, 0);
     if (done != pt.n_splits - 1) return;
-    __threadfence();                             // the last warp of the strip: every other split's partial is in
+    __syncwarp();                                // the last warp of the strip: every other split's partial is in
     if constexpr (M1)
         reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
     else

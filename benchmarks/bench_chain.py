@@ -1,0 +1,133 @@
+"""What one dependent step of a decode step costs by itself: a chain of kernel launches (each waiting for the one
+before it, as every kernel of a decode step does) against one persistent kernel whose blocks meet at a grid-wide
+barrier instead (what a single-kernel decode step would pay per dependency). Each link reads what the one before
+wrote (an L2 round trip), as a real step's kernels do. Graph-captured, median of replays.
+
+    python benchmarks/bench_chain.py
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from exl_backends.kernels import driver, loader
+
+SOURCE = r"""
+#include "common.cuh"
+
+// One link: wait for the kernel before, read what it wrote, write what the next one reads.
+extern "C" __global__ void link(const float* in, float* out)
+{
+    exl::pdl_trigger();
+    exl::pdl_wait();
+    if (threadIdx.x == 0) {
+        const int i = blockIdx.x & 31;
+        __stcg(out + i, __ldcg(in + i) + 1.f);
+    }
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p)
+{
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_release(unsigned* p, unsigned v)
+{
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// Sense-reversal barrier of the whole grid (every block resident): state[0] counts arrivals, state[1] is the
+// generation the last block to arrive advances.
+__device__ __forceinline__ void grid_barrier(unsigned* state)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned gen = load_acquire(state + 1);   // cannot advance before this block arrives
+        __threadfence();
+        if (atomicAdd(state, 1u) == gridDim.x - 1) {
+            atomicExch(state, 0u);
+            store_release(state + 1, gen + 1);
+        } else {
+            while (load_acquire(state + 1) == gen) {}
+        }
+    }
+    __syncthreads();
+}
+
+// n links in one kernel: buffer halves alternate as the kernels' in / out do.
+extern "C" __global__ void persistent(float* buf, unsigned* state, int n)
+{
+    for (int i = 0; i < n; ++i) {
+        if (threadIdx.x == 0) {
+            const int j = blockIdx.x & 31;
+            __stcg(buf + 32 * ((i + 1) & 1) + j, __ldcg(buf + 32 * (i & 1) + j) + 1.f);
+        }
+        grid_barrier(state);
+    }
+}
+"""
+
+
+def replay_seconds(run, reps: int = 20) -> float:
+    """Median seconds of one replay of `run` captured in a CUDA graph."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--links", type=int, default=256)
+    args = ap.parse_args()
+    cc = loader.compute_capability()
+    cp = loader.cupy()
+    mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-I{loader.KERNEL_DIR}",
+                                             f"--gpu-architecture={loader.arch(cc)}"), backend="nvrtc")
+    link, persistent = (mod.get_function(k).kernel.ptr for k in ("link", "persistent"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    buf = torch.zeros(64, device="cuda")
+    state = torch.zeros(2, dtype=torch.int32, device="cuda")
+    n = args.links
+
+    def chain(blocks: int, programmatic: bool):
+        def run():
+            stream = torch.cuda.current_stream().cuda_stream
+            for i in range(n):
+                driver.launch(link, (blocks,), (256,), (buf[32 * (i & 1):], buf[32 * ((i + 1) & 1):]), 0, stream,
+                              programmatic)
+        return run
+
+    def one_kernel(blocks: int):
+        def run():
+            driver.launch(persistent, (blocks,), (256,), (buf, state, n), 0, torch.cuda.current_stream().cuda_stream,
+                          False)
+        return run
+
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs; {n} dependent steps, us per step")
+    rows = []
+    for blocks in (8, sms, 2 * sms):
+        rows.append((f"kernel chain, dependent launch, {blocks} blocks", chain(blocks, cc >= loader.PDL_CC)))
+        rows.append((f"kernel chain, plain launches, {blocks} blocks", chain(blocks, False)))
+        rows.append((f"one kernel, grid barrier, {blocks} blocks", one_kernel(blocks)))
+    for name, run in rows:
+        print(f"{name:<48} {replay_seconds(run) / n * 1e6:8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
