@@ -47,8 +47,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* state)
     __syncthreads();
     if (threadIdx.x == 0) {
         const unsigned gen = load_acquire(state + 1);   // cannot advance before this block arrives
-        __threadfence();
-        if (atomicAdd(state, 1u) == gridDim.x - 1) {
+        if (exl::arrive(reinterpret_cast<int*>(state)) == (int)gridDim.x - 1) {
             atomicExch(state, 0u);
             store_release(state + 1, gen + 1);
         } else {
