@@ -8,11 +8,15 @@ wrote (an L2 round trip), as a real step's kernels do. Graph-captured, median of
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from exl_backends.kernels import driver, loader
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_matmul import time_calls  # noqa: E402
+
+from exl_backends.kernels import driver, loader  # noqa: E402
 
 SOURCE = r"""
 #include "common.cuh"
@@ -71,25 +75,6 @@ extern "C" __global__ void persistent(float* buf, unsigned* state, int n)
 """
 
 
-def replay_seconds(run, reps: int = 20) -> float:
-    """Median seconds of one replay of `run` captured in a CUDA graph."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--links", type=int, default=256)
@@ -125,7 +110,7 @@ def main() -> None:
         rows.append((f"kernel chain, plain launches, {blocks} blocks", chain(blocks, False)))
         rows.append((f"one kernel, grid barrier, {blocks} blocks", one_kernel(blocks)))
     for name, run in rows:
-        print(f"{name:<48} {replay_seconds(run) / n * 1e6:8.2f}", flush=True)
+        print(f"{name:<48} {time_calls([run]) / n * 1e6:8.2f}", flush=True)
 
 
 if __name__ == "__main__":
