@@ -102,8 +102,11 @@ SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 
 # before. The 8- and 16-row figures are fitted to tune_matmul.py (NOTES-matmul.md v17): at 16 rows 4096 x 4096 in
 # 8 splits 18.2 us against 20.5 in 16, 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against
 # 40.6 in 8, 4096 x 14336 in blocks of 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp
-# rate). One-row launches read one row, one round up to 16 splits: not modelled (their plans are measured as they
-# are).
+# rate). One-row launches reduce their partials in rounds of up to M1_MAX_SPLITS (quant_matmul.cu REDUCE_LOADS) a
+# lane; the model has no term for them, so one-row plans stop at one round: the 1B shape's down projection (8192 x
+# 2048) took 8.71 us in 33 splits (3 rounds) against 8.25 in 16, and the 1B decode step 1.5-2 % less
+# (NOTES-matmul.md v27).
+M1_MAX_SPLITS = 16
 BANDWIDTH = 4.0e12
 WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
 SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
@@ -376,9 +379,9 @@ def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[
 
 
 def choose_splits(layouts: list[LaneLayout], rows: int, n_sm: int, per_sm: int, smem_rows: int,
-                  strips_per_block: int = WARPS) -> list[int]:
+                  strips_per_block: int = WARPS, max_splits: int = MAX_SPLITS) -> list[int]:
     """Splits of K per part: the fastest plan by _launch_seconds, every part's splits within its limits (at least
-    MIN_CHUNKS_PER_SPLIT chunks, MAX_SPLITS, and splits * rows within MAX_SPLIT_ROWS, GATHER_SPLIT_ROWS where each
+    MIN_CHUNKS_PER_SPLIT chunks, max_splits, and splits * rows within MAX_SPLIT_ROWS, GATHER_SPLIT_ROWS where each
     block gathers x) and its x tile within X_SMEM_BYTES (smem_rows rows of x gathered per block; 0 for none: x
     staged once per launch). Ties go to the plan with fewer waves, then more blocks."""
     split_rows = GATHER_SPLIT_ROWS if smem_rows else MAX_SPLIT_ROWS
@@ -392,7 +395,7 @@ def choose_splits(layouts: list[LaneLayout], rows: int, n_sm: int, per_sm: int, 
         while smem_rows and _tile_bytes(split_starts(lay.chunk_bits, n), smem_rows) > X_SMEM_BYTES:
             n += 1
         lo.append(n)
-        hi.append(max(n, min(chunks // MIN_CHUNKS_PER_SPLIT, split_rows // rows, MAX_SPLITS)))
+        hi.append(max(n, min(chunks // MIN_CHUNKS_PER_SPLIT, split_rows // rows, max_splits)))
     best = None
     for b, h in zip(strip_bytes, hi):
         for s in range(1, h + 1):              # candidate bytes per warp: b / s
@@ -491,7 +494,7 @@ def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, 
     strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
     plans = []
     for spb in SMALL_STRIPS_PER_BLOCK:
-        splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb)
+        splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb, M1_MAX_SPLITS if rows == 1 else MAX_SPLITS)
         col_blocks = [-(-lay.strips // spb) for lay in layouts]
         plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb, rows), spb, splits))
     best = min(plans, key=lambda plan: plan[0])

@@ -197,24 +197,28 @@ def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short
 def test_sixteen_row_plans_weigh_the_split_reduction_against_the_warps_stream():
     """The model's split-K tail (REDUCE_SECONDS a round of 2 rows x 8 splits) at one 16-row block per SM: 4096 x
     4096 and the down projection 14336 -> 4096 take 8 splits, 4096 x 6144 5 (measured 14.9 / 26.7 / 16.8 us, against
-    18.0 / 31.4 / 20.2 for two unpipelined blocks per SM and 8 / 16 / 8 splits); one-row plans are not affected."""
+    18.0 / 31.4 / 20.2 for two unpipelined blocks per SM and 8 / 16 / 8 splits); one-row plans are not affected.
+    At one row a plan stops at one round of the last warp's reduction: the 1B down projection (8192 -> 2048) takes
+    16 splits, not the 33 that fill the wave (8.25 against 8.71 us)."""
     def lay(n, k=4096):
         return SimpleNamespace(strips=-(-n // 32), chunk_bits=[4] * (k // 32))
     assert qm.small_blocks([lay(4096)], 16, 132)[1] == [8]
     assert qm.small_blocks([lay(6144)], 16, 132)[1] == [5]
     assert qm.small_blocks([lay(4096, 14336)], 16, 132)[1] == [8]
     assert qm.small_blocks([lay(4096)], 1, 132)[1] == [16]
+    assert qm.small_blocks([lay(2048, 8192)], 1, 132)[1] == [qm.M1_MAX_SPLITS] == [16]
     bytes_ = [128 * 4 * 128]                     # a strip of 4096 x 4096 at 4 bits
     assert qm._launch_seconds(bytes_, [16], [16], 132, 1, 8, 16) > qm._launch_seconds(bytes_, [16], [8], 132, 1, 8, 16)
 
 
 def test_the_models_reduction_round_is_the_kernels():
     """REDUCE_ROWS x REDUCE_SPLITS in the planner's model: the rows and splits reduce_splits loads at once at 8-16
-    rows (quant_matmul.cu QMM_REDUCE_ROWS, REDUCE_LOADS / 2)."""
+    rows (quant_matmul.cu QMM_REDUCE_ROWS, REDUCE_LOADS / 2); at one row, M1_MAX_SPLITS the splits it loads at
+    once."""
     source = Path(qm.__file__).with_suffix(".cu").read_text()
     rows = int(re.search(r"^#define QMM_REDUCE_ROWS (\d+)", source, re.M).group(1))
     loads = int(re.search(r"^constexpr int REDUCE_LOADS = (\d+);", source, re.M).group(1))
-    assert (qm.REDUCE_ROWS, qm.REDUCE_SPLITS) == (rows, loads // 2)
+    assert (qm.REDUCE_ROWS, qm.REDUCE_SPLITS) == (rows, loads // 2) and qm.M1_MAX_SPLITS == loads
 
 
 def test_planner_prefers_one_full_wave():
