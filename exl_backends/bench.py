@@ -94,25 +94,38 @@ def _cache(model: Model | TensorParallelModel, n_pages: int, page_size: int, cac
 
 def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: str = "fp16", steps: int = 64,
                  page_size: int = 256, batch: int = 1) -> dict:
-    """Decode of `batch` sequences at a given context (cache filled with random K/V): tokens/s in all with a host
-    sync per step (as generation needs) and, for a model on one GPU, graph replays alone. bytes: what one GPU reads
-    per step at batch 1 (tensor parallel: rank 0's shard and its kv heads' cache)."""
-    n_pages = -(-(context + steps + 4) // page_size)
+    """Decode of `batch` sequences at a given context (cache filled with random K/V): tokens/s in all, stepping as
+    the generator does (greedy: each step is fed the one before's argmax on the device and launched before the host
+    reads that step's tokens, so the host's read and its next step's inputs overlap the GPU's work), and, for a model
+    on one GPU, graph replays alone. bytes: what one GPU reads per step at batch 1 (tensor parallel: rank 0's shard
+    and its kv heads' cache)."""
+    n_pages = -(-(context + steps + 8) // page_size)
     cache = _cache(model, batch * n_pages + 1, page_size, cache_mode)
     fill_cache(cache)
     pages = [cache.pool.allocate(n_pages) for _ in range(batch)]
     runner = Runner(model, cache, max_batch=batch, max_pages=n_pages)
-    tokens = [1] * batch
+    # tensor parallelism's other ranks take each step's tokens from its host bytes, as its generator feeds them
+    on_device = not isinstance(model, TensorParallelModel)
 
-    def step(i):
-        chunks = [SeqChunk([t], context + i, p) for t, p in zip(tokens, pages)]
-        return runner.forward(Batch.build(chunks, page_size, model.device))
-    for i in range(3):
-        tokens = step(i).argmax(-1).tolist()
+    def step(i: int, top: Tensor | None) -> tuple[Tensor, tuple]:
+        """Step i fed step i - 1's tokens (top; None: placeholders): its logits and its argmax on the way to the
+        host (_async_to_host)."""
+        ids = top.tolist() if top is not None and not on_device else [1] * batch
+        b = Batch.build([SeqChunk([t], context + i, p) for t, p in zip(ids, pages)], page_size, model.device)
+        if top is not None and on_device:
+            b.input_ids.copy_(top)
+            b.host = None                       # its host bytes hold placeholders (the runner copies the ids)
+        logits = runner.forward(b)
+        return logits, _async_to_host(logits.argmax(-1))
+    logits, (top, host, done) = step(0, None)
+    for i in range(1, 4):
+        logits, (top, host, done) = step(i, top)
     t0 = time.perf_counter()
-    for i in range(steps):
-        logits = step(i)
-        tokens = logits.argmax(-1).tolist()
+    for i in range(4, 4 + steps):
+        ahead, (top_next, host_next, done_next) = step(i, top)
+        _host_tokens(host, done)                # the step before's tokens, as the generator reads them
+        logits, top, host, done = ahead, top_next, host_next, done_next
+    _host_tokens(host, done)
     result = dict(tok_s=batch * steps / (time.perf_counter() - t0),
                   bytes=weight_bytes(shard(model)) + context * bytes_per_token(model.config, cache_mode,
                                                                              model.dtype.itemsize),
@@ -126,6 +139,24 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
         _sync_all(model)
         result["replay_tok_s"] = batch * steps / (time.perf_counter() - t0)
     return result
+
+
+def _async_to_host(top: Tensor) -> tuple[Tensor, Tensor, torch.cuda.Event | None]:
+    """(top, a host copy of it on its way, the event that marks its arrival): reading the copy waits for the kernels
+    before it only, not for a step queued after it (generator.Launched does the same)."""
+    if not top.is_cuda:
+        return top, top, None
+    host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
+    host.copy_(top, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(top.device))      # (a layer split's last GPU)
+    return top, host, done
+
+
+def _host_tokens(host: Tensor, done: torch.cuda.Event | None) -> list[int]:
+    if done is not None:
+        done.synchronize()
+    return host.tolist()
 
 
 def prefill_speed(model: Model | TensorParallelModel, n_tokens: int, page_size: int = 256, reps: int = 3) -> float:

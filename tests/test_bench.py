@@ -76,3 +76,20 @@ def test_decode_speed_steps_a_batch(dirs, batch):
     """The decode measurement runs `batch` sequences a step (CPU: eager) and reports finite logits."""
     result = bench.decode_speed(Model.load(dirs["llama"]), context=40, steps=3, page_size=32, batch=batch)
     assert result["finite"] and result["tok_s"] > 0 and "replay_tok_s" not in result
+
+
+def test_decode_speed_feeds_each_step_the_one_befores_argmax(dirs, monkeypatch):
+    """As the generator's look-ahead does: step i's input ids are step i - 1's greedy tokens, copied on the device
+    (the host never sees them before the step is launched), at consecutive positions."""
+    seen = []
+    forward = bench.Runner.forward
+
+    def spy(self, batch):
+        logits = forward(self, batch)
+        seen.append((batch.input_ids.tolist(), batch.positions.tolist(), logits.argmax(-1).tolist()))
+        return logits
+    monkeypatch.setattr(bench.Runner, "forward", spy)
+    bench.decode_speed(Model.load(dirs["llama"]), context=40, steps=5, page_size=32, batch=2)
+    assert len(seen) == 9 and seen[0][1] == [40, 40] and seen[-1][1] == [48, 48]
+    assert all(ids == before[2] for (ids, _, _), before in zip(seen[1:], seen))
+    assert len({tuple(ids) for ids, _, _ in seen}) > 1          # the tokens change: not a constant fed back
