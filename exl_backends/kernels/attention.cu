@@ -416,9 +416,42 @@ __device__ __forceinline__ void paged_decode(
     const int head0 = kv_head * group + (blockIdx.y % head_blocks) * HEADS;   // first query head of the block
     const int n_g = min(HEADS, kv_head * group + group - head0);
 
-    // the queries' loads go out with the row's length. fp16 K: lane (g, qd) loads head g's k elements (the pieces
-    // of the warp's part of a key row) straight into its B fragments; quantized K: the block stages them to rotate
-    // them first.
+    // Before pdl_wait: the row's key range. row_seq, positions and seq_lens come from the host or torch's ops, never
+    // from a kernel of ours, so they are complete before the chain of dependent launches starts (common.cuh); q and
+    // the cache's newest keys are not. They are read past L1 (__ldcg): before the wait, an SM's L1 may still hold an
+    // earlier step's lines of them. Not the key tiles, not even as L2 prefetches: with those issued here, prompt rows
+    // read stale keys of the kernel before (NOTES-attention.md).
+    const int seq = row_seq ? __ldcg(row_seq + row) : row;
+    const long long pos = __ldcg(positions + row);
+    const int n_keys = (int)min((long long)__ldcg(seq_lens + seq), pos + 1);
+    const int t_first = window > 0 ? (int)max(0ll, pos - window + 1) : 0;
+    if (n_keys <= t_first) {   // no keys: zeros
+        exl::pdl_wait();       // (out may still be read by an earlier kernel)
+        if (split == 0)
+            for (int e = tid; e < n_g * DH; e += THREADS)
+                out[((size_t)row * n_heads + head0) * DH + e] = __float2half(0.f);
+        return;
+    }
+    // the first tile holds t_first (t_first - t_lo < 32 <= KT), and every later tile starts at or after it, so each
+    // tile a warp attends has a visible key
+    const int t_lo = t_first & ~(ALIGN - 1);
+    const int split_len = split_length(n_keys - t_lo, n_splits);
+    const int n_used = (n_keys - t_lo + split_len - 1) / split_len;
+    const int t_begin = t_lo + split * split_len;
+    if (t_begin >= n_keys) return;
+    const int t_end = min(t_begin + split_len, n_keys);
+
+    const size_t dim = (size_t)kv_head * DH + dim0;   // the warp's first dim in the flat [n_kv_heads * DH] row
+    const int scale0 = kv_head * (DH / 32) + dim0 / 32;
+    const Cache cache{k_cache + dim * K_BITS / 8, v_cache + dim * V_BITS / 8, k_scales + scale0, v_scales + scale0,
+                      (size_t)n_kv_heads * DH * K_BITS / 8, (size_t)n_kv_heads * DH * V_BITS / 8,
+                      n_kv_heads * DH / 32};
+    const int* table = block_tables + (size_t)seq * max_pages;
+    int t0 = t_begin + slot * S::KT;
+    exl::pdl_wait();           // q and the newest keys come from the kernels before
+
+    // fp16 K: lane (g, qd) loads head g's k elements (the pieces of the warp's part of a key row) straight into its
+    // B fragments; quantized K: the block stages them to rotate them first.
     const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
     unsigned qb[S::STEPS][2];
     float q_reg[Q_PER_THREAD];
@@ -440,35 +473,9 @@ __device__ __forceinline__ void paged_decode(
             q_reg[i] = e < HEADS * DH && e / DH < n_g ? __half2float(q_row[e]) : 0.f;
         }
     }
-    const int seq = row_seq ? row_seq[row] : row;
-    const long long pos = positions[row];
-    const int n_keys = (int)min((long long)seq_lens[seq], pos + 1);
-    const int t_first = window > 0 ? (int)max(0ll, pos - window + 1) : 0;
-    if (n_keys <= t_first) {   // no keys: zeros
-        if (split == 0)
-            for (int e = tid; e < n_g * DH; e += THREADS)
-                out[((size_t)row * n_heads + head0) * DH + e] = __float2half(0.f);
-        return;
-    }
-    // the first tile holds t_first (t_first - t_lo < 32 <= KT), and every later tile starts at or after it, so each
-    // tile a warp attends has a visible key
-    const int t_lo = t_first & ~(ALIGN - 1);
-    const int split_len = split_length(n_keys - t_lo, n_splits);
-    const int n_used = (n_keys - t_lo + split_len - 1) / split_len;
-    const int t_begin = t_lo + split * split_len;
-    if (t_begin >= n_keys) return;
-    const int t_end = min(t_begin + split_len, n_keys);
-
-    const size_t dim = (size_t)kv_head * DH + dim0;   // the warp's first dim in the flat [n_kv_heads * DH] row
-    const int scale0 = kv_head * (DH / 32) + dim0 / 32;
-    const Cache cache{k_cache + dim * K_BITS / 8, v_cache + dim * V_BITS / 8, k_scales + scale0, v_scales + scale0,
-                      (size_t)n_kv_heads * DH * K_BITS / 8, (size_t)n_kv_heads * DH * V_BITS / 8,
-                      n_kv_heads * DH / 32};
-    const int* table = block_tables + (size_t)seq * max_pages;
 
     // the warp's first tile is in flight while the queries are staged
     Tile<S> tile;
-    int t0 = t_begin + slot * S::KT;
     if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
     // quantized K: the queries rotated (R(q)/32), as fp16 B fragments: lane (g, qd) holds head g's k elements
@@ -618,8 +625,7 @@ __device__ __forceinline__ void paged_decode(
         const int* row_seq, half* out, float* part_acc, float2* part_ml, int* counters, int n_heads,            \
         int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window, float cap_in, \
         float cap_out) {                                                                                        \
-        exl::pdl_trigger();  /* dependent launch (common.cuh): q, the cache and seq_lens come from earlier */  \
-        exl::pdl_wait();                                                                                         \
+        exl::pdl_trigger();  /* dependent launch (common.cuh): paged_decode waits once it has the row's keys */  \
         paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,           \
                                      positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv_heads,  \
                                      max_pages, page_size, n_splits, scale_log2, window, cap_in, cap_out);       \
