@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .batch import Batch, SeqChunk
 from .cache import KVCache, bytes_per_token
+from .generator import copy_to_host
 from .mlp import Mlp, MoeMlp
 from .model import Model
 from .parallel import TensorParallelModel
@@ -107,25 +108,33 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
     # tensor parallelism's other ranks take each step's tokens from its host bytes, as its generator feeds them
     on_device = not isinstance(model, TensorParallelModel)
 
-    def step(i: int, top: Tensor | None) -> tuple[Tensor, tuple]:
-        """Step i fed step i - 1's tokens (top; None: placeholders): its logits and its argmax on the way to the
-        host (_async_to_host)."""
+    def step(i: int, top: Tensor | None) -> tuple[Tensor, Tensor, tuple]:
+        """Step i fed step i - 1's tokens (top; None: placeholders): its logits, its tokens, and their copy on the
+        way to the host (copy_to_host)."""
         ids = top.tolist() if top is not None and not on_device else [1] * batch
         b = Batch.build([SeqChunk([t], context + i, p) for t, p in zip(ids, pages)], page_size, model.device)
         if top is not None and on_device:
             b.input_ids.copy_(top)
             b.host = None                       # its host bytes hold placeholders (the runner copies the ids)
         logits = runner.forward(b)
-        return logits, _async_to_host(logits.argmax(-1))
-    logits, (top, host, done) = step(0, None)
+        top = logits.argmax(-1)
+        return logits, top, copy_to_host(top)
+
+    def read(copy: tuple) -> list[int]:
+        """The tokens of a step, as the generator reads them (Launched.tokens)."""
+        host, done = copy
+        if done is not None:
+            done.synchronize()
+        return host.tolist()
+    logits, top, copy = step(0, None)
     for i in range(1, 4):
-        logits, (top, host, done) = step(i, top)
+        logits, top, copy = step(i, top)
     t0 = time.perf_counter()
     for i in range(4, 4 + steps):
-        ahead, (top_next, host_next, done_next) = step(i, top)
-        _host_tokens(host, done)                # the step before's tokens, as the generator reads them
-        logits, top, host, done = ahead, top_next, host_next, done_next
-    _host_tokens(host, done)
+        ahead = step(i, top)
+        read(copy)                              # the step before's tokens, while this one runs
+        logits, top, copy = ahead
+    read(copy)
     result = dict(tok_s=batch * steps / (time.perf_counter() - t0),
                   bytes=weight_bytes(shard(model)) + context * bytes_per_token(model.config, cache_mode,
                                                                              model.dtype.itemsize),
@@ -139,24 +148,6 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
         _sync_all(model)
         result["replay_tok_s"] = batch * steps / (time.perf_counter() - t0)
     return result
-
-
-def _async_to_host(top: Tensor) -> tuple[Tensor, Tensor, torch.cuda.Event | None]:
-    """(top, a host copy of it on its way, the event that marks its arrival): reading the copy waits for the kernels
-    before it only, not for a step queued after it (generator.Launched does the same)."""
-    if not top.is_cuda:
-        return top, top, None
-    host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
-    host.copy_(top, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(top.device))      # (a layer split's last GPU)
-    return top, host, done
-
-
-def _host_tokens(host: Tensor, done: torch.cuda.Event | None) -> list[int]:
-    if done is not None:
-        done.synchronize()
-    return host.tolist()
 
 
 def prefill_speed(model: Model | TensorParallelModel, n_tokens: int, page_size: int = 256, reps: int = 3) -> float:

@@ -532,13 +532,7 @@ class Launched:
             broken.index_copy_(0, index, codes)
         self.sampled = [(plan[i][0], i) for i in sampled]
         self.logits = logits.clone() if any(job.n_logprobs for job, _ in plan) else None
-        self.host = torch.stack((self.top, broken))
-        self.done = None
-        if logits.is_cuda:
-            device_copy, self.host = self.host, torch.empty(self.host.shape, dtype=self.host.dtype, pin_memory=True)
-            self.host.copy_(device_copy, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
+        self.host, self.done = copy_to_host(torch.stack((self.top, broken)))
 
     def tokens(self) -> tuple[list[int], dict[Job, int | SamplingError]]:
         """(every row's token, the sampled jobs' tokens, or the error of a row that gave none)."""
@@ -546,6 +540,19 @@ class Launched:
             self.done.synchronize()
         top, broken = self.host.tolist()
         return top, {job: broken_row_error(broken[i]) if broken[i] else top[i] for job, i in self.sampled}
+
+
+def copy_to_host(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """t's copy in pinned host memory, started without waiting, and the event that marks its arrival (on the CPU: t
+    itself and None). Waiting for the event waits for the kernels queued before the copy only, not for a step
+    queued after it."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))     # (a layer split: the last GPU's stream)
+    return host, done
 
 
 def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:
