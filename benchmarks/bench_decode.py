@@ -6,12 +6,18 @@ Llama-3-8B shape at 4.0 bpw body + 6-bit head: ~3.9 GB/token -> ~1080 tok/s at 4
 Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 layers x ~12 launches).
 
     python benchmarks/bench_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--contexts 256,4096,32768]
+        [--megakernel both|on|off]
+
+--megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
+and the megakernel segments (kernels/megakernel.py), the model built once.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,19 +61,25 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,4096,32768")
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--megakernel", choices=("both", "on", "off"), default="both")
     args = ap.parse_args()
+    paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.megakernel]
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
+        os.environ["EXL_MEGAKERNEL"] = paths[-1]        # (QuantMatmul plans its segments when it is on)
         model = synthetic_model(shape)
         for mode in args.modes.split(","):
             for ctx in map(int, args.contexts.split(",")):
-                r = decode_speed(model, ctx, mode)
-                bound = bw / r["bytes"]
-                if not r["finite"]:
-                    print(f"warning: {shape} decode {mode} ctx {ctx} gives NaN/inf logits")
-                rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", tok_s=r["tok_s"],
-                                 replay_tok_s=r["replay_tok_s"], bound=bound, pct=100 * r["tok_s"] / bound))
+                for flag in paths:
+                    os.environ["EXL_MEGAKERNEL"] = flag        # read when the runner captures its decode step
+                    r = decode_speed(model, ctx, mode)
+                    bound = bw / r["bytes"]
+                    if not r["finite"]:
+                        print(f"warning: {shape} decode {mode} ctx {ctx} gives NaN/inf logits")
+                    rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", bpw=4.0, context=ctx,
+                                     path="megakernel" if flag == "1" else "launch-per-op", tok_s=r["tok_s"],
+                                     replay_tok_s=r["replay_tok_s"], bound=bound, pct=100 * r["tok_s"] / bound))
         rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model, 2048)))
         del model
         torch.cuda.empty_cache()
@@ -75,12 +87,24 @@ def main() -> None:
             rows.append(dict(shape=shape, what="transformers bf16 static ctx 256", tok_s=transformers_baseline(shape)))
     out = os.environ.get("OUT")
     if out:
-        Path(out, "bench_decode.json").write_text(json.dumps(dict(copy_bw=bw, rows=rows), indent=1))
+        Path(out, "bench_decode.json").write_text(json.dumps(dict(run_info(), copy_bw=bw, rows=rows), indent=1))
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
-    print(f"{'shape':14} {'what':34} {'tok/s':>9} {'replay':>9} {'bound':>8} {'%':>5}")
+    print(f"{'shape':14} {'what':28} {'path':14} {'tok/s':>9} {'replay':>9} {'bound':>8} {'%':>5}")
     for r in rows:
-        print(f"{r['shape']:14} {r['what']:34} {r['tok_s']:9.1f} {r.get('replay_tok_s', float('nan')):9.1f} "
-              f"{r.get('bound', float('nan')):8.1f} {r.get('pct', float('nan')):5.1f}")
+        print(f"{r['shape']:14} {r['what']:28} {r.get('path', ''):14} {r['tok_s']:9.1f} "
+              f"{r.get('replay_tok_s', float('nan')):9.1f} {r.get('bound', float('nan')):8.1f} "
+              f"{r.get('pct', float('nan')):5.1f}")
+
+
+def run_info() -> dict:
+    """What a result file says about its run: GPU, commit, date."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return dict(gpu=torch.cuda.get_device_name(), commit=commit or "unknown",
+                date=datetime.date.today().isoformat(), torch=torch.__version__)
 
 
 if __name__ == "__main__":

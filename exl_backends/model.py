@@ -14,6 +14,7 @@ from .batch import Batch
 from .cache import KVCache
 from .config import Activation, ModelConfig, RopeConfig
 from .errors import CheckpointError, DeviceError
+from .kernels import megakernel
 from .linear import Linear, QuantLinear
 from .mlp import Mlp, MoeMlp
 from .ops import Ops, ops_for
@@ -116,6 +117,15 @@ class Model:
         """cache.copy(source, target, n) (under tensor parallelism also on the other ranks' mirrors of cache)."""
         cache.copy(source, target, n)
 
+    def chainable(self) -> bool:
+        """Whether a one-row decode step may run under megakernel.chaining: between two attention calls, nothing but
+        one-row quantized matmuls with their staging (norm, silu * up) reads what those matmuls write (the
+        Llama-family block on one GPU: no Gemma output norms, no routed experts, no other activation)."""
+        return len(self.stages) == 1 and all(
+            b.attn_out_norm is None and b.mlp_out_norm is None and isinstance(b.mlp, Mlp)
+            and b.mlp.gated_down is not None and getattr(b.attention.o, "kernel", None) is not None
+            for b in self.blocks)
+
     def decode_graphs(self, cache: KVCache, max_pages: int, trash_page: int):
         """This model's captured decode steps over cache, by batch size (runner.Runner replays them)."""
         from .runner import DecodeGraphs        # runner builds on this module
@@ -160,6 +170,7 @@ class Model:
         for i in stage.layers:
             q, residual = self.project(i, h, residual, batch.slots, cache, ropes)
             h, residual = self.after_attention(i, self.blocks[i].attention.attend(q, batch, cache, self.ops), residual)
+        megakernel.flush()                      # (inside megakernel.chaining: the last block's matmuls)
         if k + 1 < len(self.stages):
             return h, residual
         return self.logits(h, residual, batch)
@@ -187,6 +198,7 @@ class Model:
         block = self.blocks[i]
         qkv, residual = block.attention.qkv.after_norm(h, residual, block.input_norm, self.config.rms_norm_eps,
                                                        self.ops)
+        megakernel.flush()      # inside megakernel.chaining, the matmuls since the last attention run now
         return block.attention.project(qkv, slots, cache, *ropes[block.local_rope], self.ops), residual
 
     def after_attention(self, i: int, attn: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .batch import Batch
 from .cache import KVCache
+from .kernels import megakernel
 from .model import Model, batch_on, on_device, token_seq_lens
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -92,6 +93,10 @@ class DecodeGraph:
         self.handoffs: list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = []    # (stage k's out, k+1's in)
         if dev.type != "cuda":
             return
+        # one sequence's decode step: its runs of one-row matmuls between attention calls as megakernel launches
+        self.segment_counters = None
+        if n_rows == 1 and isinstance(model, Model) and megakernel.enabled(dev) and model.chainable():
+            self.segment_counters = megakernel.counters(len(model.blocks) + 1, dev)
         carry = None
         for k, stage in enumerate(model.stages):
             with torch.cuda.device(stage.device):
@@ -99,7 +104,7 @@ class DecodeGraph:
                     inputs = tuple(torch.zeros_like(t, device=stage.device) for t in carry)
                     self.handoffs.append((carry, inputs))
                     carry = inputs
-                graph, carry = _capture(model, k, self.stage_batches[k], cache, carry, pool)
+                graph, carry = _capture(model, k, self.stage_batches[k], cache, carry, pool, self.segment_counters)
                 self.graphs.append(graph)
         self.logits = carry
 
@@ -173,16 +178,18 @@ class DecodeGraph:
             graph.reset()
 
 
-def _capture(model: Model, k: int, batch: Batch, cache: KVCache, carry, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Stage k's forward captured on its device (the current one): (the graph, its static output)."""
+def _capture(model: Model, k: int, batch: Batch, cache: KVCache, carry, pool,
+             segment_counters: Tensor | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Stage k's forward captured on its device (the current one): (the graph, its static output). With
+    segment_counters (megakernel.counters), under megakernel.chaining."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):           # warm-up: compiles kernels, settles allocations
+    with torch.cuda.stream(side), megakernel.chaining(segment_counters):   # warm-up: compiles, settles allocations
         model.stage_forward(k, batch, cache, carry)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with capturing(graph, pool, side):     # (on side: torch's default capture stream is the first device's)
-        out = model.stage_forward(k, batch, cache, carry)
+    with capturing(graph, pool, side), megakernel.chaining(segment_counters):   # (side: torch's default capture
+        out = model.stage_forward(k, batch, cache, carry)                      # stream is the first device's)
     return graph, out
 
 

@@ -48,6 +48,8 @@ def driver():
     lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                                 ctypes.c_int, ctypes.c_size_t]
     return lib
 
 
@@ -108,15 +110,26 @@ def pack(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_
     return buffer, slots + 8 * n
 
 
+def resident_blocks(function_ptr: int, threads: int, shared_mem: int) -> int:
+    """How many blocks of a kernel fit on one SM at once (registers, shared memory, threads), as the driver says."""
+    lib, n = driver(), ctypes.c_int()
+    _check(lib, lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), function_ptr, threads, shared_mem),
+           "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return n.value
+
+
+def _check(lib, status: int, call: str, hint: str = "") -> None:
+    if status:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(status, ctypes.byref(text))
+        raise DeviceError(f"{call} failed: {(text.value or b'?').decode()} (CUresult {status}){hint}")
+
+
 def launch(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
            stream_ptr: int, programmatic: bool) -> None:
     """Launches a compiled kernel (CUfunction `function_ptr`) on a stream (0: the legacy default stream), with
     programmatic stream serialization when `programmatic`."""
     config, params = pack(grid, block, shared_mem, stream_ptr, programmatic, args)   # alive until the call returns
     lib = driver()
-    status = lib.cuLaunchKernelEx(ctypes.addressof(config), function_ptr, params, None)
-    if status:
-        text = ctypes.c_char_p()
-        lib.cuGetErrorString(status, ctypes.byref(text))
-        hint = "; set EXL_PDL=0 to launch without programmatic dependent launch" if programmatic else ""
-        raise DeviceError(f"cuLaunchKernelEx failed: {(text.value or b'?').decode()} (CUresult {status}){hint}")
+    hint = "; set EXL_PDL=0 to launch without programmatic dependent launch" if programmatic else ""
+    _check(lib, lib.cuLaunchKernelEx(ctypes.addressof(config), function_ptr, params, None), "cuLaunchKernelEx", hint)

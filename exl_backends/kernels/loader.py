@@ -26,7 +26,7 @@ PRECISE_FAMILIES = frozenset({"activation"})
 PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
 # be launched with programmatic dependent launch (driver.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
-PDL_FAMILIES = frozenset({"quant_matmul", "norm", "activation", "rope", "attention", "kv_cache"})
+PDL_FAMILIES = frozenset({"quant_matmul", "norm", "activation", "rope", "attention", "kv_cache", "megakernel"})
 
 
 @functools.cache
@@ -110,6 +110,14 @@ def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ..
     stream_ptr = torch._C._cuda_getCurrentRawStream(device)    # torch.cuda.current_stream() costs ~10 us more
     driver.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr,
                   programmatic=bool(stream_ptr) and _use_pdl(family, cc))
+
+
+def resident_blocks(family: str, kernel: str, threads: int, shared_mem: int) -> int:
+    """Blocks of `kernel` that fit on one SM of the current device at once, with this much dynamic shared memory."""
+    fn, fn_ptr = _function(family, kernel, torch.cuda.current_device())
+    if shared_mem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    return driver.resident_blocks(fn_ptr, threads, shared_mem)
 
 
 def aligned(x: Tensor, boundary: int = 16) -> Tensor:

@@ -968,19 +968,20 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
 }
 
-// The launch of p: block blockIdx.x of the parts laid out in block order. xs is stage_xs's output for R = 1 (M1),
-// 8 or 16 (N8 = 1, 2) staged rows: the parts' x in stored order [n_parts][R][K], then their corrections
-// [n_parts][K / 32][R] as float2.
+// Block b of the launch of p (the parts laid out in block order; the kernel's blockIdx.x, or a megakernel's
+// virtual block). xs is stage_xs's output for R = 1 (M1), 8 or 16 (N8 = 1, 2) staged rows: the parts' x in stored
+// order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
 template <class Fmt, int N8, bool M1>
-__device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws)
+__device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
+                                       int b)
 {
     constexpr int R = M1 ? 1 : 8 * N8;
-    const int pi = part_of(p, blockIdx.x);
+    const int pi = part_of(p, b);
     const Part& pt = p.part[pi];
     half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
     const float2* corr =
         reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
-    matmul_part_staged<Fmt, N8, M1>(p, pt, blockIdx.x - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
+    matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
                                     ws ? ws + pt.ws_offset : ws, pt.counters);
 }
 
@@ -1008,14 +1009,13 @@ __device__ __forceinline__ float residual_row(const half* x, const half* residua
 }
 
 // The add_rmsnorm of the block's row of x (residual_row), fp16(w * fp16(r * inv_rms)) at the lane's src, w = the norm
-// weight there; a writer block (part 0, blockIdx.z < M) writes its 256 elements of r, 256 blockIdx.x on, to
-// new_residual.
+// weight there; a writer block (part 0, row m < M) writes its 256 elements of r, 256 bx on, to new_residual.
 __device__ __forceinline__ half stage_norm(const half* x, const half* residual, half w, half* new_residual, int K,
-                                           size_t row, int src, float eps, bool writer)
+                                           size_t row, int src, float eps, bool writer, int bx)
 {
     extern __shared__ __align__(16) half r_s[];
     const float inv_rms = residual_row(x, residual, K, row, eps);
-    const int e = blockIdx.x * THREADS + threadIdx.x;
+    const int e = bx * THREADS + threadIdx.x;
     if (writer && residual && e < K) new_residual[row + e] = r_s[e];
     return normalise(r_s[src], w, inv_rms);
 }
@@ -1027,8 +1027,9 @@ __device__ __forceinline__ half silu_mul(half gate, half up)
     return __float2half_rn(__fmul_rn(__half2float(act), __half2float(up)));
 }
 
-// x [M, K] for the small-M launch of p, R = gridDim.z staged rows (1, 8 or 16; row m >= M repeats row M - 1):
-// chunk c = blockIdx.x * WARPS + warp of part blockIdx.y and row m = blockIdx.z, by one warp, lane r taking stored
+// x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,
+// m) of the grid (ceil(K / 32 / WARPS), n_parts, R) stages chunk c = bx * WARPS + warp of the part and row m, by one
+// warp, lane r taking stored
 // row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
 // correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). What is staged
 // in place of x, so that the op before needs no launch of its own:
@@ -1036,10 +1037,10 @@ __device__ __forceinline__ half silu_mul(half gate, half up)
 //  - norm_w non-null: the block's add_rmsnorm (residual non-null) or rmsnorm of x with weight norm_w (stage_norm),
 //    the new residual written to new_residual.
 __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, const half* residual,
-                                         const half* norm_w, half* new_residual, float eps, half* xs)
+                                         const half* norm_w, half* new_residual, float eps, half* xs, int bx,
+                                         int part, int m, int R)
 {
-    const int part = blockIdx.y, c = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int m = blockIdx.z, R = gridDim.z, chunks = p.K / 32;
+    const int c = bx * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, chunks = p.K / 32;
     const bool active = c < chunks;                    // (the grid's y is n_parts)
     if (!active && !norm_w) return;                    // (with a norm, every thread takes part in its barrier)
     const Part& pt = p.part[part];
@@ -1050,7 +1051,7 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     const size_t row = (size_t)min(m, p.M - 1) * p.K;
     half in;
     if (norm_w) {
-        in = stage_norm(x, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M);
+        in = stage_norm(x, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M, bx);
         if (!active) return;
     } else {
         in = x[row + src];
@@ -1655,6 +1656,8 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
 }  // namespace qmm
 
 // ------------------------------------------------------------------------------------------- entry points
+// (megakernel.cu includes this file for its device code, with QMM_DEVICE_ONLY: without these)
+#ifndef QMM_DEVICE_ONLY
 
 // Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): M1 2, up to 128 registers (it ran
 // at 3, 80 registers, until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
@@ -1666,7 +1669,7 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
     NAME(const __grid_constant__ qmm::Params p, const half* x, half* y0, half* y1, half* y2, float* ws)              \
     {                                                                                                                  \
         exl::pdl_trigger();                                                                                           \
-        qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws);                                                                \
+        qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws, blockIdx.x);                                                    \
     }
 
 #ifndef QMM_M1_BLOCKS
@@ -1762,7 +1765,7 @@ stage_xs(const __grid_constant__ qmm::Params p, const half* x, const half* up, c
          const half* norm_w, half* new_residual, float eps, half* xs)
 {
     exl::pdl_trigger();
-    qmm::stage_xs(p, x, up, residual, norm_w, new_residual, eps, xs);
+    qmm::stage_xs(p, x, up, residual, norm_w, new_residual, eps, xs, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z);
 }
 
 extern "C" __global__ void __launch_bounds__(qmm::THREADS)
@@ -1772,3 +1775,5 @@ permute_x(const __grid_constant__ qmm::Params p, int M, const half* x, const hal
     exl::pdl_trigger();
     qmm::permute_x(p, M, x, up, residual, norm_w, new_residual, eps, xp);
 }
+
+#endif  // QMM_DEVICE_ONLY

@@ -28,7 +28,7 @@ from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
-from . import activation, norm
+from . import activation, megakernel, norm
 from .loader import aligned, compute_capability, launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
@@ -504,11 +504,17 @@ def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
                n_sm: int) -> Plan:
-    """The small-M launch for `rows` rows of x, which stage_xs stages: a block's shared memory holds only its
-    split's chunk_meta entries (quant_matmul.cu matmul_part_staged)."""
-    cls = rows_class(rows)
+    """The small-M launch for `rows` rows of x, which stage_xs stages."""
     strips_per_block, splits = small_blocks(layouts, rows, n_sm)
-    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, cls], layouts, biases, counters, splits, rows, strips_per_block)
+    return staged_plan(layouts, biases, counters, splits, rows, strips_per_block)
+
+
+def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], splits: list[int],
+                rows: int, strips_per_block: int) -> Plan:
+    """A small-M launch with these splits: a block's shared memory holds only its split's chunk_meta entries
+    (quant_matmul.cu matmul_part_staged)."""
+    plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class(rows)], layouts, biases, counters, splits, rows,
+                     strips_per_block)
     p = plan.params.copy()
     p["xs_stride"] = p["meta_smem"] = p["corr_smem"] = 0
     chunks = max(int(np.diff(p["part"]["split_chunk"][i, :n + 1]).max()) for i, n in enumerate(splits))
@@ -589,6 +595,15 @@ class QuantMatmul:
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
+        # the one-row plan of a megakernel segment: the one-row launch's splits (the same sums in the same order)
+        # in blocks of 8 strips (its CTAs' warps); its Params in device memory, its partials
+        self.segment_plan = self.segment_params = self.segment_ws = None
+        if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
+            splits = [int(n) for n in self.plans[1].params["part"]["n_splits"][:len(layouts)]]
+            self.segment_plan = staged_plan(layouts, self.biases, self.counters, splits, 1, WARPS)
+            params = self.segment_plan.params.reshape(1).view(np.uint8).copy()
+            self.segment_params = torch.from_numpy(params).to(device)
+            self.segment_ws = torch.empty(max(1, self.segment_plan.ws_floats), dtype=torch.float32, device=device)
 
     def __call__(self, x: Tensor, up: Tensor | None = None) -> Tensor:
         """The forward of a single weight."""
@@ -648,6 +663,9 @@ class QuantMatmul:
         """Passes of ROWS_PER_PASS rows of x. before: what stage_xs applies to x as it stages it (PLAIN: nothing),
         for x of at most ROWS_PER_PASS rows (one pass)."""
         m = x.shape[0]
+        chain = megakernel.active() if m == 1 and self.segment_plan is not None else None
+        if chain is not None:
+            return self._chained(chain, x, before)
         if before is not PLAIN and m > ROWS_PER_PASS:     # (its tensors cover the first pass only)
             raise ValueError(f"stage_xs applies an op to at most {ROWS_PER_PASS} rows of x in one pass, got {m}")
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
@@ -662,15 +680,37 @@ class QuantMatmul:
                    shared_mem=plan.smem)
         return ys
 
-    def _stage(self, x: Tensor, rows: int, before: tuple) -> Tensor:
-        """`rows` rows of x (after `before`) as the small-M kernels read them (quant_matmul.cu stage_xs): each part's
-        rows_class(rows) rows in stored order, then their corrections, in a buffer kept from call to call (one per
-        rows class)."""
+    def _chained(self, chain, x: Tensor, before: tuple) -> list[Tensor]:
+        """One row of x through stage_xs and the matmul, as two ops of a megakernel segment (appended to chain, run
+        at its flush)."""
+        ys = [torch.empty(1, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
+        nulls = [None] * (MAX_PARTS - len(ys))
+        buf, plan, grid_x = self._stage_buffer(1, x.device), self.segment_plan, -(-self.k // CHUNK // WARPS)
+        up, residual, norm_w, new_residual, eps = before
+        name = f"{self.k} x {'+'.join(str(lay.n) for lay in self.layouts)}"
+        chain.append(megakernel.Op(megakernel.STAGE, grid_x * len(ys), 2 * self.k if norm_w is not None else 0,
+                                   self.segment_params, dict(x=x, up=up, residual=residual, norm_w=norm_w,
+                                                             new_residual=new_residual, xs=buf), eps, grid_x, name))
+        outs = dict(zip(("y0", "y1", "y2"), ys + nulls))
+        ws = self.segment_ws if plan.ws_floats else None
+        chain.append(megakernel.Op(megakernel.MATMUL, plan.blocks, plan.smem, self.segment_params,
+                                   dict(xs=buf, ws=ws, **outs), name=name))
+        return ys
+
+    def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:
+        """The buffer stage_xs writes `rows` rows of x into (kept from call to call, one per rows class): each part's
+        rows_class(rows) rows in stored order, then their corrections."""
         k, parts, cls = self.k, len(self.layouts), rows_class(rows)
         buf = self.staged.get(cls)
         if buf is None:
             buf = self.staged[cls] = torch.empty(parts * cls * (k + (k // CHUNK) * 4), dtype=torch.float16,
-                                                 device=x.device)
+                                                 device=device)
+        return buf
+
+    def _stage(self, x: Tensor, rows: int, before: tuple) -> Tensor:
+        """`rows` rows of x (after `before`) as the small-M kernels read them (quant_matmul.cu stage_xs)."""
+        k, parts, cls = self.k, len(self.layouts), rows_class(rows)
+        buf = self._stage_buffer(rows, x.device)
         normed = before[2] is not None          # stage_norm keeps the row in shared memory
         launch("quant_matmul", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
                args=(self.args[rows], x, *before, buf), shared_mem=2 * k if normed else 0)

@@ -1,0 +1,165 @@
+// megakernel.cu: a run of a decode step's one-row quantized matmuls and the x staging in front of each (quant_matmul.cu's
+// stage_xs and <fmt>_matmul_m1 launches, in their stream order) as ONE persistent launch. The launcher is
+// megakernel.py; the run is everything between two attention calls (o projection, post-attention norm, gate/up,
+// silu * up, down, the next block's norm and q/k/v), which launch-per-op took 8 launches for.
+//
+// SEGMENT (the kernel's one argument, by value): ops[0 .. n_ops), each the blocks of one launch it replaces:
+//   STAGE    stage_xs's grid (grid_x, parts, 1) flattened to `blocks` virtual blocks v = part * grid_x + bx;
+//   MATMUL   the one-row matmul's `blocks` blocks (Params planned with 8 strips per block: a CTA here is 256
+//            threads), reading what the STAGE before it staged at xs. EXL2 only for now: a GPTQ instance
+//            (qmm::Gptq) spills ~370 bytes at the 128 registers of two CTAs per SM (ptxas -v), where gptq_matmul_m1
+//            spills none; GPTQ models keep launch-per-op.
+//   Virtual block v of op k runs on CTA (op.first + v) % gridDim.x: megakernel.py's schedule picks `first` (and
+//   prints it). done[k] counts op k's finished blocks; done[n_ops] the CTAs that finished the segment.
+//
+// ORDER. Before its first block of op k, a CTA waits until done[k - 1] == ops[k - 1].blocks: op k - 1 is complete,
+//   and so (its blocks waited in turn) is every op before, so each op reads finished outputs and no op overwrites
+//   what an earlier one still reads, exactly as the launches' stream order guaranteed. The wait is one thread's
+//   acquire load (which also invalidates the SM's L1: no stale line of a buffer another CTA wrote is read) and a
+//   block barrier; the signal is a block barrier and one release add. The last CTA to finish resets done[] for the
+//   next launch (every other CTA is past its last wait by then).
+//
+// NO GAPS IN THE WEIGHT STREAM. Weights depend on nothing, so a CTA asks for its blocks' weight spans of the NEXT
+//   matmul op (cp.async.bulk.prefetch.L2: one instruction per warp span) before it waits for the current one's
+//   input: DRAM keeps streaming through the staging, the waits and the split-K tails. The matmul's own L2 prefetches
+//   and loads then mostly hit L2.
+//
+// DEADLOCK FREEDOM. Every CTA must be resident at once: megakernel.py sizes the grid by the occupancy the driver
+//   reports for this kernel and shared memory. pdl_trigger comes first, so a kernel launched after this one with
+//   programmatic dependent launch starts only once every CTA of this grid runs. Ops only wait for earlier ops, and
+//   every CTA walks the ops in order, so some unfinished block can always run.
+//
+// sm_90+ only (the bulk L2 prefetch; megakernel.py uses launch-per-op elsewhere).
+#define QMM_DEVICE_ONLY
+#include "quant_matmul.cu"
+
+namespace mk {
+
+constexpr int MAX_OPS = 12;
+enum Kind { STAGE = 0, MATMUL = 1 };
+
+// Field order: pointers, then 4-byte values (megakernel.OP_DTYPE mirrors it; a host test compares the offsets).
+struct Op {
+    const qmm::Params* params;   // device memory: the weights' M1 plan (STAGE: the plan of the matmul it feeds)
+    const half* x;               // STAGE: stage_xs's x, up, residual, norm_w, new_residual (null where unused)
+    const half* up;
+    const half* residual;
+    const half* norm_w;
+    half* new_residual;
+    half* xs;                    // STAGE writes it, the matmul after it reads it
+    half* y0;                    // matmul outputs (null past its parts) and split partials
+    half* y1;
+    half* y2;
+    float* ws;
+    float eps;
+    int kind;
+    int blocks;
+    int grid_x;                  // STAGE: blocks per part
+    int first;                   // the CTA that runs virtual block 0
+    int pad;
+};
+
+struct Segment {
+    Op op[MAX_OPS];
+    int* done;                   // [n_ops + 1], zero between launches
+    int n_ops;
+};
+
+__device__ __forceinline__ int load_acquire(const int* p)
+{
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void release_add(int* p, int v)
+{
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, unsigned bytes)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// The first virtual block of op that CTA c runs (blocks past op.blocks: none).
+__device__ __forceinline__ int first_block(const Op& op, int c, int G) { return ((c - op.first) % G + G) % G; }
+
+__device__ __forceinline__ bool is_matmul(const Op& op) { return op.kind != STAGE; }
+
+// Warp w's weight span of every block of op this CTA runs, into L2 (one bulk prefetch per span).
+__device__ void prefetch_weights(const Op& op, int c, int G)
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane != 0) return;
+    const qmm::Params& p = *op.params;
+    for (int v = first_block(op, c, G); v < op.blocks; v += G) {
+        const qmm::Part& pt = p.part[qmm::part_of(p, v)];
+        const int local = v - pt.block0, split = local / pt.col_blocks;
+        const int strip = local % pt.col_blocks * qmm::WARPS + warp;
+        if (strip >= pt.strips) continue;
+        const int w0 = pt.split_word[split];
+        bulk_prefetch_l2(pt.qw + (size_t)strip * pt.words_per_strip + w0, 4u * (pt.split_word[split + 1] - w0));
+    }
+}
+
+// The next matmul op after op k (n_ops: none).
+__device__ __forceinline__ int next_matmul(const Segment& s, int k)
+{
+    for (int j = k + 1; j < s.n_ops; ++j)
+        if (is_matmul(s.op[j])) return j;
+    return s.n_ops;
+}
+
+template <class Fmt>
+__device__ __forceinline__ void run_block(const Op& op, int v)
+{
+    const qmm::Params& p = *op.params;
+    if (op.kind == STAGE)
+        qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
+                      v / op.grid_x, 0, 1);
+    else
+        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v);
+}
+
+template <class Fmt>
+__device__ void decode_segment(const Segment& s)
+{
+    const int c = blockIdx.x, G = gridDim.x;
+    const int first_mm = next_matmul(s, -1);
+    if (first_mm < s.n_ops) prefetch_weights(s.op[first_mm], c, G);
+    for (int k = 0; k < s.n_ops; ++k) {
+        const Op& op = s.op[k];
+        const int v0 = first_block(op, c, G);
+        if (is_matmul(op)) {                       // the next matmul's weights stream while this one runs
+            const int next = next_matmul(s, k);
+            if (next < s.n_ops) prefetch_weights(s.op[next], c, G);
+        }
+        if (v0 >= op.blocks) continue;
+        if (k > 0 && threadIdx.x == 0)
+            while (load_acquire(s.done + k - 1) < s.op[k - 1].blocks) __nanosleep(32);
+        __syncthreads();
+        int ran = 0;
+        for (int v = v0; v < op.blocks; v += G, ++ran) {
+            run_block<Fmt>(op, v);
+            __syncthreads();                           // shared memory is the next block's
+        }
+        if (threadIdx.x == 0) release_add(s.done + k, ran);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && exl::arrive(s.done + s.n_ops) == G - 1)
+        for (int k = 0; k <= s.n_ops; ++k) s.done[k] = 0;
+}
+
+}  // namespace mk
+
+#define MK_SEGMENT(NAME, FMT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 2) NAME(const __grid_constant__ mk::Segment s)         \
+    {                                                                                                                  \
+        exl::pdl_trigger();                                                                                           \
+        mk::decode_segment<FMT>(s);                                                                                    \
+    }
+
+MK_SEGMENT(decode_segment_exl2, qmm::Exl2)

@@ -1,0 +1,168 @@
+"""The decode step's one-row quantized matmuls between two attention calls as one persistent launch (megakernel.cu).
+
+How it is used: while a decode step of one sequence is captured (runner.DecodeGraph), the model runs inside
+`chaining()`. Then every one-row EXL2 matmul (QuantMatmul._small) does not launch its stage_xs and matmul kernels
+but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
+before anything else reads them (before RoPE + KV write, and after the last block): the chain becomes one launch of
+decode_segment_exl2, which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
+one before through a counter in device memory, and each CTA streaming its next matmul's weights into L2 before it
+waits. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
+block's norm + q/k/v) in one.
+
+The schedule (which CTA runs which block, and what it waits on) is plain arithmetic, `schedule()`, printed by
+`describe()` (`exl bench --schedule`): virtual block v of op k runs on CTA (first_k + v) % G, and op k starts on the
+CTA after the one that ran op k - 1's last block, so that CTAs that got fewer blocks of one op get the first of the
+next. G is every CTA that fits the GPU at once (the kernel spins on counters: all of them must be resident).
+
+`EXL_MEGAKERNEL=0` turns it off (launch-per-op everywhere)."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .loader import compute_capability, launch, resident_blocks
+
+FAMILY, KERNEL = "megakernel", "decode_segment_exl2"
+MAX_OPS = 12                    # megakernel.cu MAX_OPS
+THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
+STAGE, MATMUL = 0, 1            # megakernel.cu Kind
+MIN_CC = (9, 0)                 # the bulk L2 prefetch (cp.async.bulk.prefetch) is sm_90+
+
+OP_DTYPE = np.dtype([(name, np.uint64) for name in
+                     ("params", "x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
+                    [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
+                     ("first", np.int32), ("pad", np.int32)])
+SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32), ("pad", np.int32)])
+
+
+@dataclass
+class Op:
+    """One launch that the segment runs as blocks of its own: STAGE (stage_xs) or MATMUL (exl2_matmul_m1)."""
+    kind: int
+    blocks: int
+    smem: int                   # dynamic shared memory its blocks need
+    params: Tensor              # the matmul's Params in device memory (uint8)
+    tensors: dict               # pointer fields of OP_DTYPE -> tensor (or None)
+    eps: float = 0.0
+    grid_x: int = 1
+    name: str = ""              # for describe()
+
+
+def enabled(device: torch.device) -> bool:
+    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "1") != "0"
+            and compute_capability(device) >= MIN_CC)
+
+
+_chain: contextvars.ContextVar[Chain | None] = contextvars.ContextVar("exl_megakernel_chain", default=None)
+
+
+def counters(n_segments: int, device: torch.device) -> Tensor:
+    """Zeros for the counters of up to n_segments launches (chaining's `done`; made before a graph capture: a
+    torch.zeros inside one would be a captured memset replayed every step). Each launch leaves its own zero."""
+    return torch.zeros(n_segments * (MAX_OPS + 1), dtype=torch.int32, device=device)
+
+
+@contextlib.contextmanager
+def chaining(done: Tensor | None):
+    """Inside, one-row EXL2 matmuls join a chain that flush() launches as one kernel, each launch taking its
+    counters from `done` (counters()); done None: a no-op. What is not flushed when it exits is flushed then."""
+    if done is None:
+        yield None
+        return
+    chain = Chain(done)
+    token = _chain.set(chain)
+    try:
+        yield chain
+    finally:
+        _chain.reset(token)
+    chain.flush()
+
+
+def active() -> Chain | None:
+    """The chain one-row matmuls append to now, if any."""
+    return _chain.get()
+
+
+def flush() -> None:
+    """Launches what the current chain holds (nothing outside chaining())."""
+    chain = _chain.get()
+    if chain is not None:
+        chain.flush()
+
+
+class Chain:
+    """The ops appended since the last flush; the segments launched so far, each with its slice of `done`."""
+
+    def __init__(self, done: Tensor) -> None:
+        self.ops: list[Op] = []
+        self.done = done
+        self.segments: list[tuple[list[Op], int]] = []      # (ops, grid) of each launch, for describe()
+
+    def append(self, op: Op) -> None:
+        self.ops.append(op)
+
+    def flush(self) -> None:
+        ops, self.ops = self.ops, []
+        for start in range(0, len(ops), MAX_OPS):
+            self._launch(ops[start:start + MAX_OPS])
+
+    def _launch(self, ops: list[Op]) -> None:
+        device = ops[0].params.device
+        smem = max(op.smem for op in ops)
+        grid = resident_blocks(FAMILY, KERNEL, THREADS, smem) * torch.cuda.get_device_properties(
+            device).multi_processor_count
+        at = len(self.segments) * (MAX_OPS + 1)
+        if at + MAX_OPS + 1 > self.done.numel():
+            raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
+        done = self.done[at:at + len(ops) + 1]
+        launch(FAMILY, KERNEL, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
+        self.segments.append((ops, grid))
+
+
+def schedule(blocks: list[int], grid: int) -> list[int]:
+    """first_k of each op (its block v runs on CTA (first_k + v) % grid): each op starts where the one before ended."""
+    firsts, first = [], 0
+    for n in blocks:
+        firsts.append(first)
+        first = (first + n) % grid
+    return firsts
+
+
+def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
+    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`."""
+    s = np.zeros((), SEGMENT_DTYPE)
+    for i, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
+        rec = s["op"][i]
+        rec["params"] = op.params.data_ptr()
+        for field, t in op.tensors.items():
+            rec[field] = 0 if t is None else t.data_ptr()
+        rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"] = op.eps, op.kind, op.blocks, \
+            op.grid_x, first
+    s["done"], s["n_ops"] = done.data_ptr(), len(ops)
+    return s
+
+
+def describe(ops: list[Op], grid: int) -> str:
+    """The schedule in words: per op, its blocks, the CTAs that run them and what it waits on."""
+    lines = [f"one launch of {grid} CTAs ({THREADS} threads), {len(ops)} ops in order:"]
+    for k, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
+        last = (first + op.blocks - 1) % grid
+        span = f"CTAs {first}..{last}" if op.blocks <= grid else f"every CTA ({op.blocks / grid:.1f} blocks each)"
+        wait = f"waits for op {k - 1} (done[{k - 1}] = {ops[k - 1].blocks})" if k else "waits for the launch before"
+        what = "stage x" if op.kind == STAGE else "matmul"
+        lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then done[{k}] += 1 a block"
+                     + ("; CTAs prefetch their next matmul's weights into L2 first" if op.kind == MATMUL else ""))
+    return "\n".join(lines)
+
+
+@functools.cache
+def op_offsets() -> dict[str, int]:
+    """OP_DTYPE's field offsets (a test compares them with the C struct's, compiled on the host)."""
+    return {name: OP_DTYPE.fields[name][1] for name in OP_DTYPE.names}

@@ -1,0 +1,134 @@
+"""The decode megakernel (kernels/megakernel.cu + .py): a run of one-row matmuls and their staging as one persistent
+launch. CPU: its schedule, and that the argument struct Python packs is the one the kernel reads (host-compiled with
+nvcc). GPU: a chained decode step gives launch-per-op's logits bit for bit (the same plans' sums in the same order),
+eager and graph-replayed, over EXL2 widths and mixes, biases, act-order and every cache mode; and greedy generation
+through the Generator is unchanged."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+from kernel_testing import on_gpu
+
+from exl_backends.batch import Batch, SeqChunk
+from exl_backends.cache import KVCache
+from exl_backends.config import ModelConfig
+from exl_backends.kernels import megakernel as mk
+from exl_backends.kernels.loader import KERNEL_DIR
+from exl_backends.model import Model
+from exl_backends.runner import Runner
+
+from conftest import FIXTURES, needs_fixtures
+
+# ----------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("blocks, grid", [([40, 300, 40, 500, 1, 7], 264), ([3, 3, 3], 2), ([1000], 132)])
+def test_the_schedule_spreads_a_segments_blocks_evenly(blocks, grid):
+    """Each op starts on the CTA after the one that ran the op before's last block, so over the whole segment every
+    CTA runs floor or ceil of (blocks / grid) blocks, and each op's blocks go to distinct CTAs while it has no more
+    blocks than CTAs."""
+    per_cta = [0] * grid
+    for n, first in zip(blocks, mk.schedule(blocks, grid)):
+        ctas = [(first + v) % grid for v in range(n)]
+        if n <= grid:
+            assert len(set(ctas)) == n
+        for c in ctas:
+            per_cta[c] += 1
+    assert max(per_cta) - min(per_cta) <= 1 and sum(per_cta) == sum(blocks)
+
+
+def test_describe_names_every_op_and_what_it_waits_for():
+    params = torch.zeros(1, dtype=torch.uint8)
+    ops = [mk.Op(mk.STAGE, 16, 8192, params, {}, 1e-5, 16, "4096 x 4096"),
+           mk.Op(mk.MATMUL, 400, 64, params, {}, name="4096 x 4096")]
+    text = mk.describe(ops, 264)
+    assert "one launch of 264 CTAs" in text and "op 0: stage x 4096 x 4096: 16 blocks on CTAs 0..15" in text
+    assert "op 1: matmul 4096 x 4096: 400 blocks on every CTA (1.5 blocks each); waits for op 0 (done[0] = 16)" in text
+
+
+HARNESS = r"""
+#include "megakernel.cu"
+#include <cstddef>
+#include <cstdio>
+int main() {
+    OFFSETS
+    printf("%zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment, done), offsetof(mk::Segment, n_ops),
+           sizeof(mk::Segment));
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_the_packed_segment_is_the_kernels_struct(tmp_path):
+    lines = "\n    ".join(f'printf("%zu\\n", offsetof(mk::Op, {name}));' for name in mk.OP_DTYPE.names)
+    (tmp_path / "harness.cu").write_text(HARNESS.replace("OFFSETS", lines))
+    exe = tmp_path / "harness"
+    subprocess.run(["nvcc", "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90", "-o", str(exe),
+                    str(tmp_path / "harness.cu")], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
+    assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
+        mk.OP_DTYPE.itemsize, mk.SEGMENT_DTYPE.fields["done"][1], mk.SEGMENT_DTYPE.fields["n_ops"][1],
+        mk.SEGMENT_DTYPE.itemsize]
+
+
+def test_chaining_without_counters_changes_nothing():
+    with mk.chaining(None) as chain:
+        assert chain is None and mk.active() is None
+    mk.flush()          # outside any chain: nothing to do
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+PAGE = 64
+CHECKPOINTS = ["llama_tiny_exl2_4.0bpw_h6", "llama_tiny_exl2_2.5bpw_h6", "llama_tiny_exl2_6.0bpw_h8",
+               "qwen2_tiny_exl2_4.0bpw_h6"]       # every width, 8-bit head, q/k/v biases (Qwen2)
+
+
+def decode_step(model: Model, cache_mode: str, prompt_len: int):
+    """A cache holding a random prompt of prompt_len tokens (crossing a page), and the batch of its next token."""
+    cache = KVCache(model.config, 16, PAGE, cache_mode, "cuda", torch.float16)
+    pages = cache.pool.allocate(4)
+    g = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(0, model.config.vocab_size, (prompt_len + 1,), generator=g).tolist()
+    model.forward(Batch.build([SeqChunk(ids[:-1], 0, pages)], PAGE, "cuda"), cache)
+    return cache, Batch.build([SeqChunk(ids[-1:], prompt_len, pages)], PAGE, "cuda")
+
+
+@on_gpu
+@needs_fixtures()
+@pytest.mark.parametrize("cache_mode", ["fp16", "q8", "q6", "q4"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode):
+    path = FIXTURES / "exl2" / name
+    model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
+    assert model.chainable()
+    cache, step = decode_step(model, cache_mode, 70)
+    plain = model.forward(step, cache).clone()
+    with mk.chaining(mk.counters(len(model.blocks) + 1, model.device)) as chain:
+        chained = model.forward(step, cache).clone()
+    assert len(chain.segments) == len(model.blocks) + 1          # each block's qkv ends one, the last block's MLP one
+    assert torch.equal(chained, plain)
+    again = Runner(model, cache, max_batch=1, max_pages=4, eager=False)
+    for _ in range(3):                                           # the counters reset themselves between replays
+        assert torch.equal(again.forward(step), plain)
+    assert again.graphs.by_shape[1, 1].segment_counters is not None
+
+
+@on_gpu
+@needs_fixtures()
+def test_greedy_generation_is_unchanged_by_the_megakernel(monkeypatch):
+    from exl_backends import ExlForCausalLM, Generator
+
+    def tokens(flag: str):
+        monkeypatch.setenv("EXL_MEGAKERNEL", flag)
+        model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                               max_seq_len=512)
+        gen = Generator(model, cuda_graphs=True, max_batch_size=1)
+        out = gen.submit([509] + list(range(20, 60)), max_new_tokens=64, stop_token_ids=[]).result().token_ids
+        assert (gen.runner.graphs.by_shape[1, 1].segment_counters is not None) == (flag == "1")
+        return out
+    assert tokens("1") == tokens("0")
