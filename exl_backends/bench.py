@@ -17,6 +17,7 @@ from torch import Tensor
 from .batch import Batch, SeqChunk
 from .cache import KVCache, bytes_per_token
 from .generator import copy_to_host
+from .kernels import megakernel
 from .mlp import Mlp, MoeMlp
 from .model import Model
 from .parallel import TensorParallelModel
@@ -196,4 +197,26 @@ def report(model: Model | TensorParallelModel, contexts: list[int], cache_mode: 
         bound = bw / r["bytes"]
         lines.append(f"{f'decode ctx {ctx} ({cache_mode})':28} {r['tok_s']:10.1f} {bound:10.1f} "
                      f"{100 * r['tok_s'] / bound:10.1f}%")
+    return "\n".join(lines)
+
+
+def decode_schedule(model: Model | TensorParallelModel) -> str:
+    """How a one-sequence decode step runs its matmuls as megakernel launches (`exl bench --schedule`): one chained
+    step, the first two launches and the last in full (the ones between repeat the second's layout)."""
+    if not (isinstance(model, Model) and megakernel.enabled(model.device) and model.chainable()):
+        return ("decode runs launch-per-op on this model: the megakernel needs one GPU of compute capability 9.0+, "
+                "EXL2 weights, a Llama-family block and EXL_MEGAKERNEL unset or 1")
+    cache = _cache(model, 2, 256, "fp16")
+    batch = Batch.build([SeqChunk([1], 0, cache.pool.allocate(1))], 256, model.device)
+    with megakernel.chaining(megakernel.counters(len(model.blocks) + 1, model.device)) as chain:
+        model.forward(batch, cache)
+    segments = chain.segments
+    shown = list(enumerate(segments))
+    shown = shown[:2] + shown[-1:] if len(shown) > 3 else shown
+    lines = [f"a decode step of one sequence: {len(segments)} megakernel launches (each block's RoPE + KV write and "
+             f"attention launch between two of them)"]
+    for i, (ops, grid) in shown:
+        if i == len(segments) - 1 and len(segments) > 3:
+            lines.append(f"... launches 2-{len(segments) - 2} as launch 1")
+        lines.append(f"launch {i}: " + megakernel.describe(ops, grid))
     return "\n".join(lines)

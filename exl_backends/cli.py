@@ -89,8 +89,11 @@ def _cmd_chat(args) -> None:
 
 
 def _cmd_bench(args) -> None:
-    from .bench import report
+    from .bench import decode_schedule, report
     model = _load(args)
+    if args.schedule:
+        print(decode_schedule(model.model))
+        return
     contexts = [int(c) for c in args.contexts.split(",")]
     print(report(model.model, contexts, args.cache_mode, [int(n) for n in args.prefill.split(",")]))
 
@@ -245,6 +248,9 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
     p.add_argument("--prefill", default="512,2048", help="comma-separated prompt lengths (default 512,2048)")
+    p.add_argument("--schedule", action="store_true",
+                   help="print how a decode step runs as megakernel launches (which CTAs run which op, what each "
+                        "waits for) instead of timing")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("info", help="format, size, bits per layer and the memory plan of a model directory",

@@ -132,3 +132,22 @@ def test_greedy_generation_is_unchanged_by_the_megakernel(monkeypatch):
         assert (gen.runner.graphs.by_shape[1, 1].segment_counters is not None) == (flag == "1")
         return out
     assert tokens("1") == tokens("0")
+
+
+@on_gpu
+@needs_fixtures()
+def test_the_printed_schedule_is_the_captured_steps():
+    from exl_backends.bench import decode_schedule
+    path = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
+    model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
+    text = decode_schedule(model)
+    assert text.startswith(f"a decode step of one sequence: {len(model.blocks) + 1} megakernel launches")
+    assert "launch 0: one launch of" in text and "op 1: matmul" in text and "waits for op 0" in text
+
+
+def test_the_schedule_command_says_why_it_does_not_apply(tmp_path):
+    from conftest import save_tiny, tiny_config
+    from exl_backends.bench import decode_schedule
+    save_tiny(tmp_path, tiny_config("llama"))
+    text = decode_schedule(Model.load(tmp_path, ModelConfig.from_dir(tmp_path), "cpu", torch.float32))
+    assert text.startswith("decode runs launch-per-op on this model")
