@@ -51,7 +51,7 @@
 //   current group. At each group change the partial (minus the FOLDED corrections) is scaled by the group's per-column
 //   scale (fp32) and added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the
 //   fp32 rounding of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
-//   (NOTES-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
+//   (docs/decode-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
 //   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
 //   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
 //   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
@@ -59,7 +59,7 @@
 //   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
 //   for the next launch.
 //
-// GEMM KERNELS  <fmt>_gemm, permute_x, gemm_reduce (LARGE_M <= M <= GEMM_MAX_M rows of x; NOTES-matmul.md v8)
+// GEMM KERNELS  <fmt>_gemm, permute_x, gemm_reduce (LARGE_M <= M <= GEMM_MAX_M rows of x; docs/gemm.md)
 //   The lane layout's per-lane pairs are exactly the B fragments of m16n8k16 MMAs with x as A: pair (j, s, h) of
 //   lane 4g + q is B[k = 2q + 8h + e][n = g] of n8 tile j (strip columns 8j..8j+7) at k16 step s, MMA k 2q + 8h + e
 //   being chunk row 16s + 4q + 2h + e. So a warp decodes its strip's chunk straight into registers as
@@ -74,7 +74,7 @@
 //   gemm_k_row), 16-byte aligned; chunk by chunk into a ring of GEMM_STAGES slots of the M tile's rows x GEMM_XS
 //   halves (cp.async, rows past M zero), one __syncthreads per chunk; a warp's A fragments come from the ring by
 //   one ldmatrix.x4 each, already in the registers the MMA reads (two 8-byte loads gave them in another order, and
-//   the register moves that reordered them were a fifth of the kernel's instructions: NOTES-matmul.md v18).
+//   the register moves that reordered them were a fifth of the kernel's instructions: docs/gemm.md).
 //   Dynamic shared memory: the split's chunk_meta entries, then the ring at Params.ring_smem. Dependent launch:
 //   weight and record prefetches and the chunk_meta copy before pdl_wait.
 //   n_splits == 1: y = acc (+ bias). Otherwise fp32 partials ws[(part.ws_offset + split * Np) * M + m * Np + col]
@@ -87,7 +87,7 @@
 //   x replaced, as in stage_xs, by the block's norm of it or the gated MLP's silu_mul, which then take no launch.
 //
 // WGMMA KERNELS  <fmt>_wgmma (WGMMA_MIN_M <= M <= WGMMA_MAX_M rows of x, compute capability 9.0 only: NVRTC builds
-//   sm_90a there; on other targets the body is a trap and the launcher never picks it; NOTES-matmul.md v19-v20)
+//   sm_90a there; on other targets the body is a trap and the launcher never picks it; docs/gemm.md)
 //   The GEMM's Params, x (after permute_x), splits, partials and gemm_reduce, with one row group and one M tile of
 //   up to WG_N = 128 rows; block 256 = 2 warpgroups of 4 strips, one block per SM (~250 registers), the grid one wave
 //   (K split until it fills one). Per chunk each warp decodes its strip into shared memory and each warpgroup issues
@@ -113,13 +113,13 @@ constexpr int MAX_SPLITS = 64;           // K splits of one part
 constexpr int N_WIDTHS = 6;
 constexpr int TILE_STRIDE = 40;          // halves per row of a dequant tile: 32 + 8 pad, rows stay 16-byte aligned
 #ifndef QMM_PREFETCH_BYTES                 // benchmarks/tune_matmul.py times other values
-#define QMM_PREFETCH_BYTES 4096            // 2 KB and 8 KB measured slower (NOTES-matmul.md)
+#define QMM_PREFETCH_BYTES 4096            // 2 KB and 8 KB measured slower (docs/decode-matmul.md)
 #endif
 constexpr unsigned PREFETCH_BYTES = QMM_PREFETCH_BYTES;   // L2 prefetch distance of a warp's weight stream
 constexpr int STAGE_LOADS = 8;           // gathers of x per thread per x row in flight
 constexpr int STAGE_ROWS = 4;            // x rows staged together (M8/M16): STAGE_ROWS * STAGE_LOADS gathers in flight
 #ifndef QMM_REDUCE_ROWS                    // benchmarks/tune_matmul.py times other values
-#define QMM_REDUCE_ROWS 2                  // 4 measured 4-30 % slower at 16 rows (NOTES-matmul.md v17)
+#define QMM_REDUCE_ROWS 2                  // 4 measured 4-30 % slower at 16 rows (docs/decode-matmul.md)
 #endif
 constexpr int REDUCE_LOADS = 16;         // split partials per lane in flight in the final reduction (M1)
 constexpr int REDUCE_ROWS = QMM_REDUCE_ROWS;   // x rows reduced together (M8/M16), REDUCE_LOADS / 2 splits of each
@@ -256,7 +256,7 @@ __device__ __forceinline__ void prefetch_span(const void* p, unsigned lo, unsign
 
 // A warp's weight span (its strip's words of chunks [c0, c1): one contiguous range), read chunk by chunk in order
 // straight from global memory, with L2 prefetches PREFETCH_BYTES ahead that hold no registers. (A bulk-copy ring in
-// shared memory kept more bytes in flight but cost more instructions and ran slower: NOTES-matmul.md.)
+// shared memory kept more bytes in flight but cost more instructions and ran slower: docs/decode-matmul.md.)
 struct Stream {
     const unsigned char* src;    // the span in global memory
     unsigned span;               // its bytes (a multiple of 128)
@@ -509,7 +509,7 @@ struct NoExtra {
 // run's last ones.
 // Sinks with PIPELINE (the staged matmuls) issue the next batch's loads before consuming the current one, so a warp's
 // demand loads stay in flight while it computes (the registers this takes cost one resident block per SM, and
-// still measured 5-38 % faster at M = 1: NOTES-matmul.md v6).
+// still measured 5-38 % faster at M = 1: docs/decode-matmul.md).
 template <int B, class Fmt, class Sink>
 __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
                                          unsigned off, int c, int end, int lane, Sink& sink)
@@ -603,7 +603,7 @@ struct XChunk {
 template <class Fmt, int N8, bool M1, bool GX = false>
 struct MatmulSink {
     // Every staged kernel pipelines its batches (walk_run), the 8- and 16-row ones at one block per SM for the
-    // registers (NOTES-matmul.md v25); MoE's 16-row kernel (two blocks per SM, x in shared memory) does not.
+    // registers (docs/decode-matmul.md); MoE's 16-row kernel (two blocks per SM, x in shared memory) does not.
     static constexpr bool PIPELINE = M1 || GX;
     static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
     static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
@@ -646,7 +646,7 @@ struct MatmulSink {
     }
 
     // Chunks c .. c + U - 1: from one 64-bit pointer per batch, so every load takes an immediate offset (per-chunk
-    // 32-bit indexes cost ~13 address instructions per chunk: ncu, NOTES-matmul.md v13).
+    // 32-bit indexes cost ~13 address instructions per chunk: ncu, docs/decode-matmul.md).
     template <int B, int U>
     __device__ void extras(int c, Extra (&ex)[U]) const
     {
@@ -1248,7 +1248,7 @@ __device__ __forceinline__ void tiled_start(const Part& pt, const GemmTile& tile
 // of it, the barrier makes them visible and frees chunk k - 1's slot, which then receives chunk k + GEMM_STAGES - 1.
 template <class Fmt>
 struct GemmSink : NoExtra {
-    static constexpr bool PIPELINE = false;          // loading the next batch first: slower (NOTES-matmul.md)
+    static constexpr bool PIPELINE = false;          // loading the next batch first: slower (docs/gemm.md)
     static constexpr int BATCH = QMM_GEMM_BATCH;     // chunks per batch (walk_run)
     half* ring;
     int slot_halves;
@@ -1309,7 +1309,7 @@ struct GemmSink : NoExtra {
 // = column tiles t = 0, 1 of 64). Per chunk each warp decodes its strip into shared memory (A), and per k16 step s
 // and tile t the warpgroup issues one m64n128k16: A = the tile's 64 columns of decoded weights, B = WG_N rows of x
 // from the ring (D[column][x row]); both operands by descriptor, so no register is read asynchronously (A from
-// registers gave wrong results: NOTES-matmul.md v19). Both operands are K-major core matrices of 8 rows x 16 bytes
+// registers gave wrong results: docs/gemm.md). Both operands are K-major core matrices of 8 rows x 16 bytes
 // (no swizzle): two along K 128 bytes apart (leading byte offset), 512 bytes from one 8-row group to the next
 // (stride byte offset).
 //   x ring slot (WG_N x 32 halves): [row / 8][k / 8][row % 8][k % 8].
@@ -1411,7 +1411,7 @@ struct WgmmaSink : NoExtra {
         copy_async_wait<WG_AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // A and the copies, to wgmma's async proxy
         __syncthreads();
-        stage(k + WG_AHEAD);               // (after the MMAs: 6 % slower, NOTES-matmul.md v20)
+        stage(k + WG_AHEAD);               // (after the MMAs: 6 % slower, docs/gemm.md)
         // tile t: strips 4h + 2t, 4h + 2t + 1 (64 columns = 8 core-matrix rows 512 bytes apart)
         const unsigned ad = a_lo + (k % WG_DEPTH) * (WARPS * WG_A_STRIP >> 4);
         const unsigned bd = b_lo + (k % WG_STAGES) * (WG_N * 64 >> 4);
@@ -1658,7 +1658,7 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
 
 // Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): M1 2, up to 128 registers (it ran
 // at 3, 80 registers, until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
-// faster); M8 and M16 1 (168-247 registers, pipelined: 8-25 % faster than 2 blocks unpipelined; NOTES-matmul.md
+// faster); M8 and M16 1 (168-247 registers, pipelined: 8-25 % faster than 2 blocks unpipelined; docs/decode-matmul.md
 // v25). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
 // ys: the parts' outputs [M, part.n] fp16; ws: split partials (fp32, see Part.ws_offset), unused without splits.
 #define QMM_MATMUL(NAME, FMT, N8, M1, BLOCKS_PER_SM)                                                                   \

@@ -47,7 +47,7 @@ STAGE_NORM_SMEM = 48 * 1024     # shared memory stage_xs may keep a row in (the 
 # From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
 # A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
 # every count that would need a second pass: 17..32 rows cost two passes against a GEMM roofline of the weight read.
-# At 16 rows (one pass) the small-M kernel, since it reads x staged (NOTES-matmul.md v14), beats the GEMM on 3 of 4
+# At 16 rows (one pass) the small-M kernel, since it reads x staged (docs/gemm.md), beats the GEMM on 3 of 4
 # shapes (H200, tune_matmul.py, 4.0 bpw, us small / GEMM: 4096 x 14336 29.5 / 39.4, 14336 x 4096 32.6 / 44.0,
 # 8192 x 28672 74.3 / 130.6, 4096 x 4096 23.3 / 19.4), and 16 jobs of the 8B shape decode at 2,932 tok/s against
 # 2,468 (bench_generation.py).
@@ -59,7 +59,7 @@ LARGE_M = 17
 GEMM_MAX_M = 96
 # On compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (quant_matmul.cu
 # <fmt>_wgmma: one M tile of WGMMA_ROWS rows, one block per SM). H200, tune_matmul.py --gemm, EXL2 4.0 bpw, us
-# wgmma / mma.sync GEMM / dequant + cuBLAS (NOTES-matmul.md v20): 4096 x 14336 at 64 rows 49.9 / 48.0 / 84.8, 65
+# wgmma / mma.sync GEMM / dequant + cuBLAS (docs/gemm.md): 4096 x 14336 at 64 rows 49.9 / 48.0 / 84.8, 65
 # rows 49.8 / 78.0 / 85.0, 100 rows 53.1 / 83.8 / 86.0, 128 rows 58.2 / 87.4 / 87.1; 14336 x 4096 at 100 rows
 # 58.7 / 79.6 / 89.1; 4096 x 4096 at 100 rows 24.7 / 30.1 / 27.9 (below 65 rows the mma.sync GEMM wins or ties).
 WGMMA_MIN_M = 65
@@ -93,19 +93,19 @@ X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more wou
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
 # The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): the SMs share
 # BANDWIDTH bytes/s evenly, so a wave lasts as long as its busiest SM's bytes take (an SM left with fewer blocks
-# idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); with several rows of x an SM decodes
+# idles: the kernels are bound per SM by instruction issue, docs/decode-matmul.md); with several rows of x an SM decodes
 # and multiplies at most SM_RATES[rows class] bytes/s; one warp alone streams at most WARP_RATES[rows class] (one
 # row: its prefetch distance over the memory latency; 8 and 16 rows: its decode and MMAs); each wave costs
 # WAVE_SECONDS on top (ramp-up, prologue; at one row also the split-K tail). With several rows of x and splits,
 # the strip's last warp reads every split's partial of every row, 16 loads a lane in flight (quant_matmul.cu
 # reduce_splits: REDUCE_ROWS = 2 rows x REDUCE_SPLITS = 8 splits), each such round REDUCE_SECONDS after the one
-# before. The 8- and 16-row figures are fitted to tune_matmul.py (NOTES-matmul.md v17): at 16 rows 4096 x 4096 in
+# before. The 8- and 16-row figures are fitted to tune_matmul.py (docs/decode-matmul.md): at 16 rows 4096 x 4096 in
 # 8 splits 18.2 us against 20.5 in 16, 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against
 # 40.6 in 8, 4096 x 14336 in blocks of 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp
 # rate). One-row launches reduce their partials in rounds of up to M1_MAX_SPLITS (quant_matmul.cu REDUCE_LOADS) a
 # lane; the model has no term for them, so one-row plans stop at one round: the 1B shape's down projection (8192 x
 # 2048) took 8.71 us in 33 splits (3 rounds) against 8.25 in 16, and the 1B decode step 1.5-2 % less
-# (NOTES-matmul.md v27).
+# (docs/decode-matmul.md).
 M1_MAX_SPLITS = 16
 BANDWIDTH = 4.0e12
 WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
@@ -115,7 +115,7 @@ REDUCE_SECONDS = 0.8e-6
 REDUCE_ROWS, REDUCE_SPLITS = 2, 8
 # Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
 # of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
-# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, NOTES-matmul.md v10).
+# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, docs/decode-matmul.md).
 SMALL_STRIPS_PER_BLOCK = (8, 7)
 SMALL_BLOCKS_GAIN = 0.95
 
