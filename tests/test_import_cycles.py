@@ -106,7 +106,8 @@ def test_kernels_take_tensors_and_plain_values():
     """Kernel launchers reach (directly or not) nothing of the model above them (config, model, ops, ...): only each
     other, the CPU reference they must match, the error types, and the containers of what they compute on (packed
     weights: formats.exl2 / formats.gptq and tensors; the Batch of a forward pass)."""
-    below = {f"{PACKAGE}.{m}" for m in ("reference", "errors", "tensors", "batch", "formats.exl2", "formats.gptq")}
+    below = {"exl_backends.reference", "exl_backends.errors", "exl_backends.tensors", "exl_backends.batch",
+             "exl_backends.formats.exl2", "exl_backends.formats.gptq"}
     g = graph()
     for m in g:
         if m.startswith(f"{PACKAGE}.kernels"):

@@ -47,7 +47,7 @@ __device__ __forceinline__ float tanh_accurate(float x)
 }
 
 // silu(x) = x / (1 + e^-x) with explicit roundings, so that it is the same whether or not a family is compiled with
-// fast math (activation.cu's silu_mul, and quant_matmul.cu's stage_xs, which applies it as it stages x).
+// fast math (activation.cu's silu_mul, and matmul_rows.cu's stage_xs, which applies it as it stages x).
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.f, __expf(-x))); }
 
 // ------------------------------------------------------------------------------------------- fp16 bit patterns

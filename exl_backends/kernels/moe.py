@@ -2,7 +2,7 @@
 
 Routing is torch on the device (reference.route: softmax, top-k, renormalisation), then the token rows are sorted
 by expert on the device and each quantized projection runs as one launch over all experts
-(quant_matmul.ExpertMatmul): w1 and w3 together, the activation, then w2; each expert reads its weights only if some
+(matmul_moe.ExpertMatmul): w1 and w3 together, the activation, then w2; each expert reads its weights only if some
 row was routed to it. Nothing is read on the host, so a decode step with MoE layers is captured in a CUDA graph like
 any other. Bytes read per token at decode (batch 1): top_k experts x (w1 + w3 + w2 packed bytes, with their scale
 records), plus the router ([E, D] fp16, or packed): for Mixtral-8x7B at 4.0 bpw, 2 x 3 x 4096 x 14336 x ~0.5 B =
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .quant_matmul import ExpertMatmul
+from .matmul_moe import ExpertMatmul
 
 DEVICE_TOKENS = 128       # up to this many tokens (the largest decode batch Runner captures) routing stays on device
 
