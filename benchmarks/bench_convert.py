@@ -38,9 +38,9 @@ Now: expect ~9-12 minutes, so under 15 is plausible (not yet measured):
   an H200's 140), token errors are computed there, packed linears are checked there, and each layer's states
   file (the resume point) is written by a background thread while the next layer computes.
 - Calibration, optimization, writing ~5.8 GB and the receipt (16 x 2048 tokens through both models): ~1-2 min.
-Measured (H200, fourth session, 4 of 32 layers): ~15.8 min, measure ~13 s and quantize ~10 s a layer. Since then
-the converter's linears run with TF32 on CUDA (convert/forward.py _tf32; no quality loss in a CPU emulation on
-SmolLM2): expect ~11 min. Further: the receipt's states on the GPU.
+Measured (H200, 2026-11-30, 69ddb40, 4 of 32 layers): ~15.8 min, measure ~13 s and quantize ~10 s a layer. With the
+converter's linears in TF32 on CUDA (convert/forward.py _tf32; no quality loss in a CPU emulation on SmolLM2):
+11.1 min (2026-11-30, 4bad357; BENCHMARKS.md). Further: the receipt's states on the GPU.
 """
 from __future__ import annotations
 

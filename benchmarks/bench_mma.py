@@ -1,5 +1,5 @@
 """The tensor pipe's ceiling for the tiled GEMM's instruction (mma.sync m16n8k16, fp16 in, fp32 accumulate) on
-this GPU: the question under the GEMM's 140-190 TFLOP/s (NOTES-matmul.md v18). One kernel, every block resident
+this GPU: the question under the GEMM's 140-190 TFLOP/s (docs/gemm.md). One kernel, every block resident
 at once (one wave), each warp issuing MMAs on registers in a loop, T independent accumulators (the GEMM warp has
 16); variants:
   warps   warps per SM (4, 8, 16: blocks of 128 or 256 threads, 1 or 2 per SM)

@@ -25,7 +25,7 @@ from shapes import synthetic_moe_model  # noqa: E402
 
 from exl_backends.bench import copy_bandwidth, decode_speed  # noqa: E402
 from exl_backends.cache import bytes_per_token  # noqa: E402
-from exl_backends.kernels import cuda_ops  # noqa: E402
+from exl_backends.ops import ops_for  # noqa: E402
 
 
 def _norm_bytes(*tensors) -> int:
@@ -53,11 +53,11 @@ def moe_layer_seconds(model, reps: int = 200) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        mlp(x, cuda_ops.OPS)
+        mlp(x, ops_for(torch.device("cuda")))
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mlp(x, cuda_ops.OPS)
+        mlp(x, ops_for(torch.device("cuda")))
     graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

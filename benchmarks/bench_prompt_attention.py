@@ -1,17 +1,17 @@
 """Attention of a few new tokens after a long cached prefix (the cached-prefix first token's attention: 100 new tokens
-after 1,900 took ~80 us a layer of the 8B shape by varlen flash, ~25 by the dense call: NOTES-attention.md), by the
+after 1,900 took ~80 us a layer of the 8B shape by varlen flash, ~25 by the dense call: docs/attention.md), by the
 candidates torch has, one layer
 of the Llama-3-8B shape (32 query heads, 8 kv heads, head_dim 128), K/V already gathered to fp16:
 
 - flash varlen: what exl_backends runs for several prompts at once (`aten._flash_attention_forward`, causal aligned
-  bottom-right; one prompt without a window takes the dense call, as `sdpa flash` below: NOTES-attention.md);
+  bottom-right; one prompt without a window takes the dense call, as `sdpa flash` below: docs/attention.md);
 - SDPA efficient / cudnn / flash: `scaled_dot_product_attention` with `causal_lower_right` (GQA by enable_gqa, or
   the kv heads repeated where the backend needs it), each backend forced;
 - gather + sdpa flash: the path an fp16 cache takes, K/V first gathered from 256-key pages scattered over a pool
   (torch indexing, standing in for kv_cache.read), then the dense call (torch 2.11's varlen flash takes no block
-  table, so the gather stays: NOTES-attention.md);
+  table, so the gather stays: docs/attention.md);
 - split: the prefix cut into pieces of --piece keys as extra varlen sequences (non-causal), one causal call over the
-  new keys, merged by log-sum-exp in torch (the variant NOTES-attention.md measured and reverted, for the floor).
+  new keys, merged by log-sum-exp in torch (the variant docs/attention.md measured and reverted, for the floor).
 
 Each is timed graph-replayed (us a call) and checked against an fp32 reference (max abs error).
 

@@ -1,5 +1,5 @@
 """How fast warps can read weight-sized spans from DRAM, by access order: the question under the M1 matmul's
-~2.6 TB/s (NOTES-matmul.md v10). Each kernel reads BYTES (a slice of a buffer several times the L2, so every call
+~2.6 TB/s (docs/decode-matmul.md). Each kernel reads BYTES (a slice of a buffer several times the L2, so every call
 reads from DRAM) with 264 blocks x 8 warps (the M1 grid), each lane 16 bytes per load, U loads in flight:
   warp   each warp a contiguous span of its own (the lane layout's [strip][chunk] order: 8 warps of a block 64 KB+
          apart)

@@ -1,4 +1,4 @@
-"""The wgmma GEMM (quant_matmul.cu <fmt>_wgmma) against the reference under compile-time variants, with the pattern
+"""The wgmma GEMM (wgmma.cu <fmt>_wgmma) against the reference under compile-time variants, with the pattern
 of any wrong outputs (strips, 16-column tiles t and halves h, rows), and its time beside the mma.sync GEMM's.
 On an H100/H200:
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
+import torch
 from torch import Tensor
 
 from .config import Activation
 from .linear import FusedLinear, Linear, QuantLinear
-from .ops import Ops
+from .ops import Ops, ops_for
+
+CUDA = torch.device("cuda")
 
 
 class Mlp:
@@ -59,7 +62,8 @@ class MoeMlp:
         self.kernel = None
         if getattr(experts[0].down, "kernel", None) is not None:     # quantized experts placed on CUDA
             from .kernels import moe
-            self.kernel = moe.prepare(experts, experts[0].activation, top_k)
+            act = ops_for(CUDA).gated(experts[0].activation)
+            self.kernel = moe.prepare(experts, act, top_k)
 
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
         experts = Experts(self.experts, ops, self.kernel)

@@ -126,11 +126,6 @@ class Model:
             and b.mlp.gated_down is not None and getattr(b.attention.o, "kernel", None) is not None
             for b in self.blocks)
 
-    def decode_graphs(self, cache: KVCache, max_pages: int, trash_page: int):
-        """This model's captured decode steps over cache, by batch size (runner.Runner replays them)."""
-        from .runner import DecodeGraphs        # runner builds on this module
-        return DecodeGraphs(self, cache, max_pages, trash_page)
-
     @classmethod
     def load(cls, path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32, stages: list[Stage] | None = None) -> "Model":

@@ -1,6 +1,7 @@
 """The block's ops as one bundle, chosen once per device: the torch reference on CPU, kernels on CUDA."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +65,11 @@ REFERENCE_OPS = Ops(
 
 def ops_for(device: torch.device) -> Ops:
     if device.type == "cuda":
-        from .kernels import cuda_ops   # importing compiles nothing; kernels compile on first launch
-        return cuda_ops.OPS
+        return _cuda_ops()
     return REFERENCE_OPS
+
+
+@functools.cache
+def _cuda_ops() -> Ops:
+    from .kernels import cuda_ops   # importing compiles nothing; kernels compile on first launch
+    return Ops(**cuda_ops.OPS)

@@ -15,8 +15,8 @@ ladder and replayed for any batch padded up to that size, while attention runs e
 H200 a fully eager forward of the 8B shape cost ~12 ms of host time for 16 tokens and ~16-30 ms for 208 (after 1792
 cached), on ~9 and ~17 ms of GPU time; as pieces ~2.4 ms in both.
 
-The decode graphs come from model.decode_graphs: a Model's own, or under tensor parallelism rank 0's
-(parallel.TensorParallelModel), which announce each replay to the other ranks; every rank captures the same
+The decode graphs are a Model's own DecodeGraphs, or under tensor parallelism rank 0's (a model with a
+decode_graphs method: parallel.TensorParallelModel), which announce each replay to the other ranks; every rank captures the same
 step over its shard at the same first use (the NCCL all-reduces captured with it) and replays it in lockstep."""
 from __future__ import annotations
 
@@ -318,6 +318,13 @@ class PrefillGraphs:
         return graphs
 
 
+def decode_graphs(model, cache: KVCache, max_pages: int, trash_page: int):
+    """The model's captured decode steps over cache, by batch size: its own decode_graphs where it has one (tensor
+    parallelism's rank 0 announces each replay to the other ranks), else DecodeGraphs."""
+    own = getattr(model, "decode_graphs", None)
+    return own(cache, max_pages, trash_page) if own is not None else DecodeGraphs(model, cache, max_pages, trash_page)
+
+
 class Runner:
     """`forward(batch)` for the generator: graph replay for decode and verify batches, graph pieces around eager
     attention for other steps up to TOKEN_SIZES[-1] tokens, eager otherwise."""
@@ -333,7 +340,7 @@ class Runner:
         self.trash_page = self.graphs = self.prefill = None
         if self.use_graphs:
             self.trash_page = cache.pool.allocate(1)[0] if trash_page is None else trash_page
-            self.graphs = model.decode_graphs(cache, max_pages, self.trash_page)
+            self.graphs = decode_graphs(model, cache, max_pages, self.trash_page)
             if isinstance(model, Model) and len(model.stages) == 1 and model.config.moe is None:
                 self.prefill = PrefillGraphs(model, cache, self.trash_page, self.graphs.pool)
 

@@ -403,10 +403,10 @@ def cuda_ready() -> bool:
 def test_gpu_logits_match_the_cpu_reference_or_are_refused(tmp_path, name):
     """fp16 on the GPU against the f32 CPU reference; an architecture whose traits the CUDA ops do not cover
     yet is refused at load with a DeviceError naming them."""
-    from exl_backends.kernels import cuda_ops
+    from exl_backends.ops import ops_for
     build(tmp_path, name, dtype=torch.float16)
     config = ModelConfig.from_dir(tmp_path)
-    if model_module.missing_ops(config, cuda_ops.OPS):
+    if model_module.missing_ops(config, ops_for(torch.device("cuda"))):
         with pytest.raises(DeviceError, match="cannot run on cuda"):
             ExlForCausalLM.from_pretrained(tmp_path, device="cuda")
         return

@@ -75,8 +75,8 @@ def test_gpu_logits_match_the_cpu_reference(checkpoints, name, fmt, graphs):
     config = ModelConfig.from_dir(path)
     if name in HEAD_DIM_256:
         assert config.head_dim == 256 and config.attn_scale == 144 ** -0.5
-    from exl_backends.kernels import cuda_ops
-    assert missing_ops(config, cuda_ops.OPS) == []
+    from exl_backends.ops import ops_for
+    assert missing_ops(config, ops_for(torch.device("cuda"))) == []
     ids = decisive_ids(path, (PREFILL + DECODE,)).tolist()
     cpu = run(Model.load(path, config, "cpu", torch.float32), ids, graphs=False)
     gpu = run(Model.load(path, config, "cuda", torch.float16), ids, graphs)

@@ -90,7 +90,7 @@ def test_programmatic_launches_give_the_plain_launches_logits(shape):
     for logits in ours:
         assert torch.equal(logits, plain)
     if torch.cuda.get_device_capability() >= loader.PDL_CC:
-        assert loader._use_pdl("quant_matmul", torch.cuda.get_device_capability())
+        assert loader._use_pdl("matmul_rows", torch.cuda.get_device_capability())
 
 
 def test_cupy_gives_the_cufunction_the_loader_launches():

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..errors import DeviceError, ExlError, UnsupportedArchitectureError
 from ..formats.exl2_writer import (copy_file, copy_support_files, exl2_config, with_top_level_rope, write_json,
                                    write_shards)
-from ..hf import load_tokenizer
+from ..loading import load_tokenizer
 from ..model import attention_linears, mlp_linears, norm_names, validate
 from ..tensors import TensorStore
 from . import calibration, forward, receipt

@@ -420,7 +420,7 @@ __device__ __forceinline__ void paged_decode(
     // from a kernel of ours, so they are complete before the chain of dependent launches starts (common.cuh); q and
     // the cache's newest keys are not. They are read past L1 (__ldcg): before the wait, an SM's L1 may still hold an
     // earlier step's lines of them. Not the key tiles, not even as L2 prefetches: with those issued here, prompt rows
-    // read stale keys of the kernel before (NOTES-attention.md).
+    // read stale keys of the kernel before (docs/attention.md).
     const int seq = row_seq ? __ldcg(row_seq + row) : row;
     const long long pos = __ldcg(positions + row);
     const int n_keys = (int)min((long long)__ldcg(seq_lens + seq), pos + 1);

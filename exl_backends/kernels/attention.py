@@ -199,7 +199,7 @@ def _prompts(batch, window: int | None) -> Prompts | None:
 def _varlen(q: Tensor, cache, layer: int, prompts: Prompts, scale: float, window: int | None) -> Tensor:
     """Causal attention of every long sequence at once, aligned bottom-right (queries are the last of their keys):
     q [n, H, Dh] fp16 -> [n, H, Dh]. The keys are gathered (dequantized) from the cache into fp16 scratch. (Cutting
-    long prefixes into more blocks, merged by log-sum-exp, was slower: NOTES-attention.md.) A single sequence
+    long prefixes into more blocks, merged by log-sum-exp, was slower: docs/attention.md.) A single sequence
     without a window goes to the dense flash kernel, which splits long key ranges over more blocks where the queries
     are few (100 new tokens after 1,900: 25 us against the varlen kernel's 65 on the H200)."""
     k, v = kv_cache.read(cache, layer, prompts.slots)                         # [keys, Hkv, Dh]

@@ -15,7 +15,7 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 // Programmatic dependent launch (sm_90+; the loader launches the families in loader.PDL_FAMILIES with it). Every
 // kernel of those families calls pdl_trigger() first, so the next kernel on the stream may be scheduled at once
 // and run up to its own pdl_wait(); and it calls pdl_wait() before its first read of anything an earlier kernel
-// may write, an L2 prefetch of it included (one made prompt attention read stale keys: NOTES-attention.md), and
+// may write, an L2 prefetch of it included (one made prompt attention read stale keys: docs/attention.md), and
 // before its first global write (what it does before, e.g. L2 prefetches of weights, overlaps the previous
 // kernel). pdl_wait returns once every earlier kernel has finished and its writes are visible; without
 // the launch attribute, or on older GPUs, both are no-ops.
@@ -47,7 +47,7 @@ __device__ __forceinline__ float tanh_accurate(float x)
 }
 
 // silu(x) = x / (1 + e^-x) with explicit roundings, so that it is the same whether or not a family is compiled with
-// fast math (activation.cu's silu_mul, and quant_matmul.cu's stage_xs, which applies it as it stages x).
+// fast math (activation.cu's silu_mul, and matmul_rows.cu's stage_xs, which applies it as it stages x).
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.f, __expf(-x))); }
 
 // ------------------------------------------------------------------------------------------- fp16 bit patterns

@@ -1,12 +1,12 @@
 """The block's ops on CUDA, with the signatures of ops.REFERENCE_OPS: the kernels of this folder, plus two torch
-ops that need no kernel of their own (the embedding gather, and the cos/sin tables computed once per forward)."""
+ops that need no kernel of their own (the embedding gather, and the cos/sin tables computed once per forward).
+A plain mapping of ops.Ops' fields: ops.py bundles it (kernels import nothing of the model above them)."""
 from __future__ import annotations
 
 from .. import reference
-from ..ops import Ops
 from . import activation, attention, kv_cache, moe, norm, rope
 
-OPS = Ops(
+OPS = dict(
     embedding=reference.embedding,
     rmsnorm=norm.rmsnorm,
     add_rmsnorm=norm.add_rmsnorm,

@@ -26,7 +26,8 @@ PRECISE_FAMILIES = frozenset({"activation"})
 PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
 # be launched with programmatic dependent launch (driver.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
-PDL_FAMILIES = frozenset({"quant_matmul", "norm", "activation", "rope", "attention", "kv_cache", "megakernel"})
+PDL_FAMILIES = frozenset({"matmul_rows", "matmul_moe", "gemm", "wgmma", "dequant", "norm", "activation", "rope",
+                          "attention", "kv_cache", "megakernel"})
 
 
 @functools.cache
@@ -52,7 +53,7 @@ def compute_capability(device: torch.device | None = None) -> tuple[int, int]:
 
 def arch(cc: tuple[int, int]) -> str:
     """The NVRTC target for compute capability cc: on 9.0 (H100, H200) sm_90a, whose code runs only there and may use
-    its warpgroup MMA (quant_matmul.cu's wgmma kernels)."""
+    its warpgroup MMA (wgmma.cu)."""
     return f"sm_{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
 
 

@@ -1,4 +1,4 @@
-// megakernel.cu: a run of a decode step's one-row quantized matmuls and the x staging in front of each (quant_matmul.cu's
+// megakernel.cu: a run of a decode step's one-row quantized matmuls and the x staging in front of each (matmul_rows.cu's
 // stage_xs and <fmt>_matmul_m1 launches, in their stream order) as ONE persistent launch. The launcher is
 // megakernel.py; the run is everything between two attention calls (o projection, post-attention norm, gate/up,
 // silu * up, down, the next block's norm and q/k/v), which launch-per-op took 8 launches for.
@@ -30,8 +30,7 @@
 //   every CTA walks the ops in order, so some unfinished block can always run.
 //
 // sm_90+ only (the bulk L2 prefetch; megakernel.py uses launch-per-op elsewhere).
-#define QMM_DEVICE_ONLY
-#include "quant_matmul.cu"
+#include "qmm_rows.cuh"
 
 namespace mk {
 

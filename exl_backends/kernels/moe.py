@@ -2,7 +2,7 @@
 
 Routing is torch on the device (reference.route: softmax, top-k, renormalisation), then the token rows are sorted
 by expert on the device and each quantized projection runs as one launch over all experts
-(quant_matmul.ExpertMatmul): w1 and w3 together, the activation, then w2; each expert reads its weights only if some
+(matmul_moe.ExpertMatmul): w1 and w3 together, the activation, then w2; each expert reads its weights only if some
 row was routed to it. Nothing is read on the host, so a decode step with MoE layers is captured in a CUDA graph like
 any other. Bytes read per token at decode (batch 1): top_k experts x (w1 + w3 + w2 packed bytes, with their scale
 records), plus the router ([E, D] fp16, or packed): for Mixtral-8x7B at 4.0 bpw, 2 x 3 x 4096 x 14336 x ~0.5 B =
@@ -20,12 +20,9 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..config import Activation
-from . import activation
-from .quant_matmul import ExpertMatmul
+from .matmul_moe import ExpertMatmul
 
 DEVICE_TOKENS = 128       # up to this many tokens (the largest decode batch Runner captures) routing stays on device
-GATED = {Activation.SILU: activation.silu_mul, Activation.GELU_TANH: activation.gelu_tanh_mul}
 
 
 class MoeKernel:
@@ -38,8 +35,9 @@ class MoeKernel:
         return self.gate_up.bytes_per_expert + self.down.bytes_per_expert
 
 
-def prepare(experts: Sequence, activation_kind: Activation, top_k: int) -> MoeKernel | None:
-    """experts: the layer's mlp.Mlp objects. The kernel when every expert's gate/up is one fused quantized launch
+def prepare(experts: Sequence, act: Callable[[Tensor, Tensor], Tensor], top_k: int) -> MoeKernel | None:
+    """experts: the layer's mlp.Mlp objects; act: the gated activation act(gate, up) on CUDA (activation.silu_mul,
+    activation.gelu_tanh_mul). The kernel when every expert's gate/up is one fused quantized launch
     and its down quantized too (QuantLinear on CUDA), all alike in format and shape; else None."""
     gate_ups = [getattr(e.gate_up, "kernel", None) for e in experts]
     downs = [getattr(e.down, "kernel", None) for e in experts]
@@ -52,7 +50,7 @@ def prepare(experts: Sequence, activation_kind: Activation, top_k: int) -> MoeKe
         return None
     if any(k.biases != [None] * len(k.biases) for k in gate_ups + downs):
         return None                  # no MoE architecture has expert biases; the MoE launches take none
-    return MoeKernel(ExpertMatmul(layouts_up, top_k), ExpertMatmul(layouts_down, top_k), GATED[activation_kind])
+    return MoeKernel(ExpertMatmul(layouts_up, top_k), ExpertMatmul(layouts_down, top_k), act)
 
 
 def moe(x: Tensor, router_logits: Tensor, experts: Sequence[Callable[[Tensor], Tensor]], top_k: int,

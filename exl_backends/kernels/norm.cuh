@@ -1,4 +1,4 @@
-// RMSNorm arithmetic shared by norm.cu and quant_matmul.cu's stage_xs (which normalises x as it stages it), so that
+// RMSNorm arithmetic shared by norm.cu and matmul_rows.cu's stage_xs (which normalises x as it stages it), so that
 // both round alike: a row is summed by 256 threads, thread i taking the VEC-element vectors i, i + 256, ... in that
 // order (each vector's squares summed from 0, in order, then added to the thread's sum), then block_sum; the
 // inverse RMS and the products are rounded as reference.rmsnorm rounds them.

@@ -1,7 +1,11 @@
-"""Launcher of quant_matmul.cu: y = x @ W^T (+ bias) for EXL2 and GPTQ weights on CUDA.
+"""Launcher of the quantized-matmul kernel families: y = x @ W^T (+ bias) for EXL2 and GPTQ weights on CUDA.
+
+The kernels, one .cu per family beside this file (FAMILIES below), share their device code in qmm.cuh (launch
+parameters, weight stream, walk), dequant.cuh (the lane layout's decode), qmm_rows.cuh and qmm_tiled.cuh. The MoE
+family's launcher is matmul_moe.py.
 
 `prepare(weight, bias)` runs once per layer: it repacks the packed weight into the kernels' lane layout (described at
-the top of quant_matmul.cu and built here by plain torch functions, which run and are tested on CPU too), plans how
+the top of dequant.cuh and built here by plain torch functions, which run and are tested on CPU too), plans how
 each launch cuts K, and returns the forward. `fuse(kernels)` joins forwards that share x (q/k/v, gate/up) into one
 that runs them in one launch per pass. Per call the forward only allocates its outputs (and, for split K with more
 than one row of x, an fp32 partial-sum buffer; the GEMM also x in stored row order) through torch's caching
@@ -15,7 +19,6 @@ chosen per call from the number of rows alone."""
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -33,11 +36,11 @@ from .loader import aligned, compute_capability, launch
 
 CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
 STRIP = 32                      # columns per strip (one warp)
-WARPS = 8                       # strips per block (quant_matmul.cu WARPS)
+WARPS = 8                       # strips per block (qmm.cuh WARPS)
 THREADS = WARPS * 32
-WIDTHS = (8, 6, 5, 4, 3, 2)     # the stored order of widths (quant_matmul.cu width_of)
-MAX_PARTS = 3                   # weights per launch (quant_matmul.cu MAX_PARTS)
-MAX_SPLITS = 64                 # K splits of one part (quant_matmul.cu MAX_SPLITS)
+WIDTHS = (8, 6, 5, 4, 3, 2)     # the stored order of widths (qmm.cuh width_of)
+MAX_PARTS = 3                   # weights per launch (qmm.cuh MAX_PARTS)
+MAX_SPLITS = 64                 # K splits of one part (qmm.cuh MAX_SPLITS)
 
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
 # stage_xs's arguments (up, residual, norm_w, new_residual, eps) that stage x as it is; QuantMatmul.forward and
@@ -47,7 +50,7 @@ STAGE_NORM_SMEM = 48 * 1024     # shared memory stage_xs may keep a row in (the 
 # From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
 # A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
 # every count that would need a second pass: 17..32 rows cost two passes against a GEMM roofline of the weight read.
-# At 16 rows (one pass) the small-M kernel, since it reads x staged (NOTES-matmul.md v14), beats the GEMM on 3 of 4
+# At 16 rows (one pass) the small-M kernel, since it reads x staged (docs/gemm.md), beats the GEMM on 3 of 4
 # shapes (H200, tune_matmul.py, 4.0 bpw, us small / GEMM: 4096 x 14336 29.5 / 39.4, 14336 x 4096 32.6 / 44.0,
 # 8192 x 28672 74.3 / 130.6, 4096 x 4096 23.3 / 19.4), and 16 jobs of the 8B shape decode at 2,932 tok/s against
 # 2,468 (bench_generation.py).
@@ -57,24 +60,24 @@ LARGE_M = 17
 # 128 rows 90 / 86, 88 / 89, 33 / 30; 208 rows 157 / 90 (the GEMM runs mma.sync at ~150-190 TFLOP/s): the
 # crossover lies between 64 and 128.
 GEMM_MAX_M = 96
-# On compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (quant_matmul.cu
+# On compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (qmm.cuh
 # <fmt>_wgmma: one M tile of WGMMA_ROWS rows, one block per SM). H200, tune_matmul.py --gemm, EXL2 4.0 bpw, us
-# wgmma / mma.sync GEMM / dequant + cuBLAS (NOTES-matmul.md v20): 4096 x 14336 at 64 rows 49.9 / 48.0 / 84.8, 65
+# wgmma / mma.sync GEMM / dequant + cuBLAS (docs/gemm.md): 4096 x 14336 at 64 rows 49.9 / 48.0 / 84.8, 65
 # rows 49.8 / 78.0 / 85.0, 100 rows 53.1 / 83.8 / 86.0, 128 rows 58.2 / 87.4 / 87.1; 14336 x 4096 at 100 rows
 # 58.7 / 79.6 / 89.1; 4096 x 4096 at 100 rows 24.7 / 30.1 / 27.9 (below 65 rows the mma.sync GEMM wins or ties).
 WGMMA_MIN_M = 65
 WGMMA_MAX_M = 128
-WGMMA_ROWS = 128                # x rows of a wgmma block (quant_matmul.cu WG_N)
-WGMMA_STAGES = 4                # x chunks in flight per wgmma block (quant_matmul.cu QMM_WG_STAGES)
+WGMMA_ROWS = 128                # x rows of a wgmma block (wgmma.cu WG_N)
+WGMMA_STAGES = 4                # x chunks in flight per wgmma block (wgmma.cu QMM_WG_STAGES)
 WGMMA_DEPTH = 2                 # chunks of MMAs in flight per warpgroup: slots of decoded A (QMM_WG_DEPTH)
 GEMM_ROWS_LIMIT = 512           # the most rows QuantMatmul._gemm is planned for (benchmarks time past GEMM_MAX_M)
-GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (quant_matmul.cu GEMM_WARP_TILES m16 tiles)
+GEMM_WARP_ROWS = 64             # rows of x per GEMM warp (qmm.cuh GEMM_WARP_TILES m16 tiles)
 # Warps per strip above GEMM_WARP_ROWS rows: 2 gives blocks of 128 columns x 128 rows (each weight decoded by both
 # warps of its strip), 1 blocks of 256 columns x 64 rows (half the x read from L2 per FLOP, M tiles of 64 rows):
 # tune_matmul.py --set GEMM_ROW_GROUPS=1,GEMM_ROW_GROUPS=2 compares
 GEMM_ROW_GROUPS = 2
-GEMM_STAGES = 4                 # x chunks in flight per GEMM block (quant_matmul.cu GEMM_STAGES)
-GEMM_XS = 40                    # halves per x row of a ring slot (quant_matmul.cu GEMM_XS)
+GEMM_STAGES = 4                 # x chunks in flight per GEMM block (qmm.cuh GEMM_STAGES)
+GEMM_XS = 40                    # halves per x row of a ring slot (qmm.cuh GEMM_XS)
 # GEMM blocks per SM (launch bounds QMM_GEMM_BLOCKS: 128 registers, a few bytes of spills; at 1 block ~185 without:
 # tune_matmul.py --defines QMM_GEMM_BLOCKS=1 compares); K is split until a launch fills one wave of them
 GEMM_RESIDENT = 2
@@ -93,19 +96,19 @@ X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more wou
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
 # The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): the SMs share
 # BANDWIDTH bytes/s evenly, so a wave lasts as long as its busiest SM's bytes take (an SM left with fewer blocks
-# idles: the kernels are bound per SM by instruction issue, NOTES-matmul.md); with several rows of x an SM decodes
+# idles: the kernels are bound per SM by instruction issue, docs/decode-matmul.md); with several rows of x an SM decodes
 # and multiplies at most SM_RATES[rows class] bytes/s; one warp alone streams at most WARP_RATES[rows class] (one
 # row: its prefetch distance over the memory latency; 8 and 16 rows: its decode and MMAs); each wave costs
 # WAVE_SECONDS on top (ramp-up, prologue; at one row also the split-K tail). With several rows of x and splits,
-# the strip's last warp reads every split's partial of every row, 16 loads a lane in flight (quant_matmul.cu
+# the strip's last warp reads every split's partial of every row, 16 loads a lane in flight (qmm.cuh
 # reduce_splits: REDUCE_ROWS = 2 rows x REDUCE_SPLITS = 8 splits), each such round REDUCE_SECONDS after the one
-# before. The 8- and 16-row figures are fitted to tune_matmul.py (NOTES-matmul.md v17): at 16 rows 4096 x 4096 in
+# before. The 8- and 16-row figures are fitted to tune_matmul.py (docs/decode-matmul.md): at 16 rows 4096 x 4096 in
 # 8 splits 18.2 us against 20.5 in 16, 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against
 # 40.6 in 8, 4096 x 14336 in blocks of 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp
-# rate). One-row launches reduce their partials in rounds of up to M1_MAX_SPLITS (quant_matmul.cu REDUCE_LOADS) a
+# rate). One-row launches reduce their partials in rounds of up to M1_MAX_SPLITS (qmm.cuh REDUCE_LOADS) a
 # lane; the model has no term for them, so one-row plans stop at one round: the 1B shape's down projection (8192 x
 # 2048) took 8.71 us in 33 splits (3 rounds) against 8.25 in 16, and the 1B decode step 1.5-2 % less
-# (NOTES-matmul.md v27).
+# (docs/decode-matmul.md).
 M1_MAX_SPLITS = 16
 BANDWIDTH = 4.0e12
 WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
@@ -115,7 +118,7 @@ REDUCE_SECONDS = 0.8e-6
 REDUCE_ROWS, REDUCE_SPLITS = 2, 8
 # Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
 # of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
-# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, NOTES-matmul.md v10).
+# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, docs/decode-matmul.md).
 SMALL_STRIPS_PER_BLOCK = (8, 7)
 SMALL_BLOCKS_GAIN = 0.95
 
@@ -125,7 +128,7 @@ class Format(Enum):
     GPTQ = "gptq"
 
 
-MATMUL_KERNELS = {   # (format, rows-of-x class) -> entry point of quant_matmul.cu
+MATMUL_KERNELS = {   # (format, rows-of-x class) -> entry point of matmul_rows.cu
     (Format.EXL2, 1): "exl2_matmul_m1", (Format.EXL2, 8): "exl2_matmul_m8", (Format.EXL2, 16): "exl2_matmul_m16",
     (Format.GPTQ, 1): "gptq_matmul_m1", (Format.GPTQ, 8): "gptq_matmul_m8", (Format.GPTQ, 16): "gptq_matmul_m16",
 }
@@ -133,12 +136,20 @@ DEQUANT_KERNELS = {Format.EXL2: "exl2_dequant", Format.GPTQ: "gptq_dequant"}
 GEMM_KERNELS = {Format.EXL2: "exl2_gemm", Format.GPTQ: "gptq_gemm"}
 WGMMA_KERNELS = {Format.EXL2: "exl2_wgmma", Format.GPTQ: "gptq_wgmma"}
 WGMMA_CC = (9, 0)               # the compute capability the loader compiles sm_90a for (loader.arch)
-MOE_KERNELS = {   # (format, rows per pass) -> MoE entry point of quant_matmul.cu (qmm::moe_matmul)
+MOE_KERNELS = {   # (format, rows per pass) -> MoE entry point of matmul_moe.cu (qmm::moe_matmul)
     (Format.EXL2, 1): "exl2_moe_m1", (Format.EXL2, 16): "exl2_moe_m16",
     (Format.GPTQ, 1): "gptq_moe_m1", (Format.GPTQ, 16): "gptq_moe_m16",
 }
+FAMILIES = {     # kernel family (<family>.cu) -> its entry points
+    "matmul_rows": (*MATMUL_KERNELS.values(), "stage_xs"),
+    "matmul_moe": tuple(MOE_KERNELS.values()),
+    "gemm": (*GEMM_KERNELS.values(), "permute_x", "gemm_reduce"),
+    "wgmma": tuple(WGMMA_KERNELS.values()),
+    "dequant": tuple(DEQUANT_KERNELS.values()),
+}
+FAMILY = {kernel: family for family, kernels in FAMILIES.items() for kernel in kernels}
 
-# quant_matmul.cu's Part and Params (launch parameters, passed by value); a host test checks the offsets.
+# qmm.cuh's Part and Params (launch parameters, passed by value); a host test checks the offsets.
 PART_DTYPE = np.dtype([
     ("qw", np.uint64), ("chunk_meta", np.uint64), ("meta0", np.uint64), ("meta1", np.uint64), ("perm", np.uint64),
     ("bias", np.uint64), ("counters", np.uint64),
@@ -158,7 +169,7 @@ PARAMS_DTYPE = np.dtype([("part", PART_DTYPE, (MAX_PARTS,)), ("n_parts", np.int3
 
 def _pair_bits(bits: int) -> list[list[int]]:
     """Bit positions (32 * word + bit) of the low code of each pair p = 0..15 in a lane's words; the pair's high
-    code sits 16 bits above. The same table as pair_bits<B> in quant_matmul.cu (tests check they agree)."""
+    code sits 16 bits above. The same table as pair_bits<B> in dequant.cuh (tests check they agree)."""
     per_word = {2: 8, 3: 5, 4: 4, 5: 3, 6: 2, 8: 2}[bits]
     direct = {2: 16, 3: 15, 4: 16, 5: 15, 6: 12, 8: 16}[bits]
     table = []
@@ -220,7 +231,7 @@ def exl2_scale_codes(q_scale: Tensor) -> Tensor:
 
 @dataclass
 class LaneLayout:
-    """A weight in the kernels' lane layout, on the weight's device (quant_matmul.cu: LANE LAYOUT)."""
+    """A weight in the kernels' lane layout, on the weight's device (dequant.cuh: LANE LAYOUT)."""
     fmt: Format
     k: int
     n: int
@@ -512,7 +523,7 @@ def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters:
 def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], splits: list[int],
                 rows: int, strips_per_block: int) -> Plan:
     """A small-M launch with these splits: a block's shared memory holds only its split's chunk_meta entries
-    (quant_matmul.cu matmul_part_staged)."""
+    (qmm_rows.cuh matmul_part_staged)."""
     plan = make_plan(MATMUL_KERNELS[layouts[0].fmt, rows_class(rows)], layouts, biases, counters, splits, rows,
                      strips_per_block)
     p = plan.params.copy()
@@ -572,7 +583,7 @@ def plan_dequant(layout: LaneLayout, n_sm: int) -> Plan:
 
 
 class QuantMatmul:
-    """The forward of one or more quantized weights that share x (same K and format; quant_matmul.cu: LAUNCH
+    """The forward of one or more quantized weights that share x (same K and format; qmm.cuh: LAUNCH
     PARAMETERS) on CUDA: part i gives y_i [M, N_i] fp16 = x [M, K] fp16 @ W_i^T (+ bias_i)."""
 
     def __init__(self, layouts: list[LaneLayout], biases: list[Tensor | None]):
@@ -674,7 +685,7 @@ class QuantMatmul:
             rows = min(ROWS_PER_PASS, m - m0)
             plan = self.plans[rows]
             xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
-            launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
+            launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
                    args=(self.args[rows], self._stage(xs, rows, before), *outs, *nulls,
                          self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
@@ -708,11 +719,11 @@ class QuantMatmul:
         return buf
 
     def _stage(self, x: Tensor, rows: int, before: tuple) -> Tensor:
-        """`rows` rows of x (after `before`) as the small-M kernels read them (quant_matmul.cu stage_xs)."""
+        """`rows` rows of x (after `before`) as the small-M kernels read them (matmul_rows.cu stage_xs)."""
         k, parts, cls = self.k, len(self.layouts), rows_class(rows)
         buf = self._stage_buffer(rows, x.device)
         normed = before[2] is not None          # stage_norm keeps the row in shared memory
-        launch("quant_matmul", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
+        launch("matmul_rows", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
                args=(self.args[rows], x, *before, buf), shared_mem=2 * k if normed else 0)
         return buf
 
@@ -726,7 +737,7 @@ class QuantMatmul:
         return self.ws1
 
     def _gemm(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
-        """The tiled GEMM (quant_matmul.cu GEMM KERNELS), for up to GEMM_ROWS_LIMIT rows."""
+        """The tiled GEMM (gemm.cu), for up to GEMM_ROWS_LIMIT rows."""
         return self._tiled(x, self.gemm_plans[gemm_shape(x.shape[0])], before)
 
     def _wgmma(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
@@ -743,11 +754,11 @@ class QuantMatmul:
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
         nulls = (None,) * (MAX_PARTS - len(ys))
         ws = torch.empty(plan.ws_floats * m, dtype=torch.float32, device=x.device) if plan.ws_floats else None
-        launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,),
+        launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(THREADS,),
                args=(plan.arg(), m, *xs, *nulls, *ys, *nulls, ws), shared_mem=plan.smem)
         if ws is not None:
             pairs = m * max(lay.np_ for lay in self.layouts) // 2
-            launch("quant_matmul", "gemm_reduce", grid=(-(-pairs // THREADS), len(ys)), block=(THREADS,),
+            launch("gemm", "gemm_reduce", grid=(-(-pairs // THREADS), len(ys)), block=(THREADS,),
                    args=(plan.arg(), m, *ys, *nulls, ws))
         return ys
 
@@ -756,7 +767,7 @@ class QuantMatmul:
         within each 16 columns), [parts, M, K]."""
         m, k = x.shape
         xp = torch.empty(len(self.layouts), m, k, dtype=torch.float16, device=x.device)
-        launch("quant_matmul", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,),
+        launch("gemm", "permute_x", grid=(m, len(self.layouts)), block=(THREADS,),
                args=(plan.arg(), m, aligned(x), *before, xp), shared_mem=2 * k)
         return list(xp)
 
@@ -771,7 +782,7 @@ class QuantMatmul:
         """W_i^T [K, Np] fp16 in original row order, bit-exact with the reference."""
         lay, plan = self.layouts[i], self.dequant_plans[i]
         w = torch.empty(lay.k, lay.np_, dtype=torch.float16, device=lay.words.device)
-        launch("quant_matmul", plan.kernel, grid=(plan.blocks,), block=(THREADS,), args=(plan.arg(), w))
+        launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(THREADS,), args=(plan.arg(), w))
         return w
 
     def nbytes(self) -> int:
@@ -781,78 +792,6 @@ class QuantMatmul:
     def dequantize(self, i: int = 0) -> Tensor:
         """Weight i in fp16 [N, K] as the large-M path uses it."""
         return self._dequant(i)[:, :self.layouts[i].n].T.contiguous()
-
-
-@functools.cache
-def _moe_counters(device: torch.device, size: int) -> Tensor:
-    """int32 [size] zeros for the MoE kernels' split counters: each launch leaves them zero, so one buffer per size
-    class serves every layer on the device (launches on one device must not run concurrently on two streams)."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
-
-
-class ExpertMatmul:
-    """One projection of every expert of an MoE layer (w1 and w3 as two parts of one launch, or w2), run on the rows
-    routed to each expert (quant_matmul.cu: qmm::moe_matmul): only the routed experts' weights are read, and nothing
-    on the host, so it can be captured in a CUDA graph. experts[e] lists expert e's layouts (taken from its
-    QuantMatmul, not copied); every expert has the same parts' formats and shapes.
-
-    Per rows class (1: each expert has at most one row, i.e. one token; 16: passes of up to 16 rows) a Params table
-    [E] in device memory, planned like a single weight's launch but for `active` experts sharing the GPU (top_k)."""
-
-    def __init__(self, experts: list[list[LaneLayout]], active: int):
-        shapes = {tuple((lay.fmt, lay.k, lay.n, lay.np_) for lay in lays) for lays in experts}
-        if len(shapes) != 1 or not 1 <= len(experts[0]) <= 2:
-            raise ValueError("the experts of an MoE layer must have one or two parts of equal formats and shapes")
-        self.fmt, self.k = experts[0][0].fmt, experts[0][0].k
-        self.n = [lay.n for lay in experts[0]]
-        self.np_ = max(lay.np_ for lay in experts[0])
-        self.strips = max(lay.strips for lay in experts[0])
-        self.n_experts = len(experts)
-        device = experts[0][0].words.device
-        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        self.tables, self.smem, self.blocks, self.max_splits = {}, {}, {}, {}
-        for rows in (1, ROWS_PER_PASS):
-            rows_class = 1 if rows == 1 else 16
-            slots = max(1, MOE_RESIDENT_BLOCKS[rows_class] * n_sm // active)    # (planned as SMs of one block each)
-            splits_of: dict[tuple, list[int]] = {}     # experts with equal widths share a plan
-            plans = []
-            for lays in experts:
-                key = tuple(tuple(lay.chunk_bits) for lay in lays)
-                if key not in splits_of:
-                    splits_of[key] = choose_splits(lays, rows, slots, 1, rows)
-                plans.append(make_plan(MOE_KERNELS[self.fmt, rows_class], lays, [None] * len(lays),
-                                       [None] * len(lays), splits_of[key], rows))
-            params = np.stack([plan.params for plan in plans])
-            self.tables[rows] = torch.from_numpy(params.view(np.uint8).reshape(-1).copy()).to(device)
-            self.smem[rows] = max(plan.smem for plan in plans)
-            self.blocks[rows] = max(plan.blocks for plan in plans)
-            self.max_splits[rows] = max(max(split) for split in splits_of.values())
-        self.bytes_per_expert = max(sum(lay.nbytes() for lay in lays) for lays in experts)
-
-    def forward(self, x: Tensor, offsets: Tensor, counts: Tensor, max_rows: int) -> list[Tensor]:
-        """x [S, K] fp16, its rows sorted by expert: rows offsets[e] .. + counts[e] - 1 (int32 [E], on the device)
-        go to expert e; max_rows: a bound on any count (the tokens of the pass). Returns one [S, n_i] per part."""
-        s = x.shape[0]
-        rows = 1 if max_rows <= 1 else ROWS_PER_PASS
-        passes = -(-max_rows // rows)
-        ys = [torch.empty(s, n, dtype=torch.float16, device=x.device) for n in self.n]
-        ws_part = self.max_splits[rows] * s * self.np_ if self.max_splits[rows] > 1 else 0
-        ws = torch.empty(len(self.n) * ws_part, dtype=torch.float32, device=x.device) if ws_part else None
-        counters = _moe_counters(x.device, _size_class(self.n_experts * passes * MAX_PARTS * self.strips))
-        if s:
-            launch("quant_matmul", MOE_KERNELS[self.fmt, 1 if rows == 1 else 16],
-                   grid=(self.blocks[rows], self.n_experts, passes), block=(THREADS,),
-                   args=(self.tables[rows], offsets, counts, s, x.contiguous(), ys[0], ys[1] if len(ys) > 1 else None,
-                         ws, np.int64(ws_part), counters, self.strips), shared_mem=self.smem[rows])
-        return ys
-
-
-def _size_class(n: int) -> int:
-    """n rounded up to a power of two (at least 4096), so that few counter buffers exist per device."""
-    size = 4096
-    while size < n:
-        size *= 2
-    return size
 
 
 def layout_for(weight: Exl2Weight | GptqWeight) -> LaneLayout:

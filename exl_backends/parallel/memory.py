@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,8 +18,6 @@ from ..formats.exl2 import padded
 from .load import Rank, local_config
 from .shards import head_runs
 
-if TYPE_CHECKING:
-    from .ranks import Channel
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +122,13 @@ def fit_context(fp: planner.Footprint, budgets: list[int], names: list[str], req
         f"({planner.breakdown(p)}; its kv heads only). Per GPU: {'; '.join(lines)}. Try: {'; '.join(ways)}")
 
 
-def plan_memory(ckpt: formats.Checkpoint, config: ModelConfig, me: Rank, channel: Channel,
+def plan_memory(ckpt: formats.Checkpoint, config: ModelConfig, me: Rank, group,
                 requested: int | None, cache_mode: str, dtype: torch.dtype) -> RankMemory:
     """Every rank calls this after joining and before loading: each reports its GPU's free memory, then all
-    decide alike (so all refuse, or all load for the same context)."""
+    decide alike (so all refuse, or all load for the same context). group: the control channel's gloo group."""
     from ..placement import device_name
     reports = [None] * me.world
-    dist.all_gather_object(reports, (planner.free_memory(me.device), device_name(me.device)), group=channel.group)
+    dist.all_gather_object(reports, (planner.free_memory(me.device), device_name(me.device)), group=group)
     budgets, names = [b for b, _ in reports], [n for _, n in reports]
     fp = rank_footprint(ckpt, config, me.world, cache_mode, dtype)
     tokens = fit_context(fp, budgets, names, requested, config.max_position_embeddings)

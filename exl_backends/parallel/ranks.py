@@ -25,6 +25,7 @@ from ..batch import Batch, upload
 from ..cache import CACHE_MODES, KVCache, check_mode
 from ..config import ModelConfig
 from ..errors import ConfigError, OutOfMemoryPlanError
+from ..loading import default_dtype, hf_loading_arguments, load_tokenizer
 from ..runner import DecodeGraphs
 from .load import Rank, check_shardable, load_shard, local_config
 from .memory import RankMemory, plan_memory
@@ -249,7 +250,7 @@ def load_rank(path: Path, me: Rank, channel: Channel, dtype: torch.dtype, config
     """Every rank: the memory plan (on GPUs; all ranks decide alike), then its shard."""
     memory = None
     if me.device.type == "cuda":
-        memory = plan_memory(formats.open_checkpoint(path), config, me, channel, requested, cache_mode, dtype)
+        memory = plan_memory(formats.open_checkpoint(path), config, me, channel.group, requested, cache_mode, dtype)
     return load_shard(path, me, dtype, config), memory
 
 
@@ -272,8 +273,7 @@ def from_pretrained(cls, path, world: int, device, max_seq_len: int | None, cach
     """ExlForCausalLM.from_pretrained(..., tensor_parallel=world). Under torchrun (RANK / WORLD_SIZE set) this
     process joins that group; otherwise it is rank 0 and starts ranks 1..world-1 itself. On GPUs every rank's
     share is planned against its GPU's free memory before anything is loaded."""
-    from ..hf import _hf_loading_arguments, default_dtype, load_tokenizer
-    device, dtype = _hf_loading_arguments(device, dtype, hf_kwargs)
+    device, dtype = hf_loading_arguments(device, dtype, hf_kwargs)
     dtype = dtype or default_dtype(device)
     path = Path(path)
     config = ModelConfig.from_dir(path)

@@ -11,7 +11,7 @@ from exl_backends.config import Activation
 from exl_backends.formats.synthetic import random_exl2, random_gptq
 from exl_backends.linear import Linear, QuantLinear
 from exl_backends.mlp import Experts, Mlp
-from exl_backends.ops import REFERENCE_OPS
+from exl_backends.ops import REFERENCE_OPS, ops_for
 
 # (hidden, expert intermediate, experts, top_k, renormalize): Mixtral-like and Qwen3-MoE-like, odd chunk counts
 SHAPES = {"mixtral": (320, 736, 8, 2, True), "qwen3_moe": (256, 96, 16, 4, False)}
@@ -42,10 +42,10 @@ def inputs(tokens: int, d: int, n_experts: int, seed: int):
 
 
 def run_both(cpu, gpu, kernel, x, logits, top_k, renormalize):
-    from exl_backends.kernels import cuda_ops, moe
+    from exl_backends.kernels import activation, moe
     ref = reference.moe(x.float(), logits.float(), Experts(cpu, REFERENCE_OPS, None), top_k, renormalize)
     poison_allocator()
-    ours = moe.moe(x.cuda(), logits.cuda(), Experts(gpu, cuda_ops.OPS, kernel), top_k, renormalize)
+    ours = moe.moe(x.cuda(), logits.cuda(), Experts(gpu, ops_for(torch.device("cuda")), kernel), top_k, renormalize)
     return ours, ref
 
 
@@ -60,10 +60,10 @@ def assert_moe_close(ours, ref):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("tokens", [1, 3, 37, 200])
 def test_moe_matches_reference(fmt, shape, tokens):
-    from exl_backends.kernels import moe
+    from exl_backends.kernels import activation, moe
     d, inter, n_experts, top_k, renormalize = SHAPES[shape]
     cpu, gpu = experts_pair(fmt, d, inter, n_experts)
-    kernel = moe.prepare(gpu, Activation.SILU, top_k)
+    kernel = moe.prepare(gpu, activation.silu_mul, top_k)
     assert kernel is not None
     x, logits = inputs(tokens, d, n_experts, seed=tokens)
     assert_moe_close(*run_both(cpu, gpu, kernel, x, logits, top_k, renormalize))
@@ -72,10 +72,10 @@ def test_moe_matches_reference(fmt, shape, tokens):
 @on_gpu
 def test_moe_gelu_experts_and_unrouted_experts():
     """GELU-tanh experts; every token routed to the same two experts (the others must not be read or added)."""
-    from exl_backends.kernels import moe
+    from exl_backends.kernels import activation, moe
     d, inter, n_experts, top_k, renormalize = SHAPES["mixtral"]
     cpu, gpu = experts_pair("exl2", d, inter, n_experts, Activation.GELU_TANH)
-    kernel = moe.prepare(gpu, Activation.GELU_TANH, top_k)
+    kernel = moe.prepare(gpu, activation.gelu_tanh_mul, top_k)
     x, logits = inputs(21, d, n_experts, seed=4)
     logits[:, 5] += 20
     logits[:, 2] += 19
@@ -86,10 +86,10 @@ def test_moe_gelu_experts_and_unrouted_experts():
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_moe_replays_in_a_cuda_graph(tokens):
     """Captured once; replayed with new tokens and new routing: the expert choice is read on the device only."""
-    from exl_backends.kernels import cuda_ops, moe
+    from exl_backends.kernels import activation, moe
     d, inter, n_experts, top_k, renormalize = SHAPES["mixtral"]
     cpu, gpu = experts_pair("exl2", d, inter, n_experts)
-    experts = Experts(gpu, cuda_ops.OPS, moe.prepare(gpu, Activation.SILU, top_k))
+    experts = Experts(gpu, ops_for(torch.device("cuda")), moe.prepare(gpu, activation.silu_mul, top_k))
     x, logits = (t.cuda() for t in inputs(tokens, d, n_experts, seed=10))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -112,17 +112,17 @@ def test_moe_replays_in_a_cuda_graph(tokens):
 @on_gpu
 def test_dense_experts_have_no_kernel_and_match_reference():
     """fp16 experts (no expert-indexed kernel): few tokens run every expert, weighted by zero where not routed."""
-    from exl_backends.kernels import cuda_ops, moe
+    from exl_backends.kernels import activation, moe
     d, inter, n_experts, top_k = 64, 96, 4, 2
     g = torch.Generator().manual_seed(3)
     mats = [[torch.randn(n, k, generator=g) * 0.1 for k, n in ((d, inter), (d, inter), (inter, d))]
             for _ in range(n_experts)]
     cpu = [Mlp(*(Linear(w) for w in ws)) for ws in mats]
     gpu = [Mlp(*(Linear(w.half().cuda()) for w in ws)) for ws in mats]
-    assert moe.prepare(gpu, Activation.SILU, top_k) is None
+    assert moe.prepare(gpu, activation.silu_mul, top_k) is None
     x, logits = inputs(5, d, n_experts, seed=8)
     ref = reference.moe(x.float(), logits.float(), Experts(cpu, REFERENCE_OPS, None), top_k, True)
-    ours = moe.moe(x.cuda(), logits.cuda(), Experts(gpu, cuda_ops.OPS, None), top_k, True)
+    ours = moe.moe(x.cuda(), logits.cuda(), Experts(gpu, ops_for(torch.device("cuda")), None), top_k, True)
     assert_moe_close(ours, ref)
 
 

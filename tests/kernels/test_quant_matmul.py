@@ -1,4 +1,5 @@
-"""Quantized matmul (kernels/quant_matmul.cu + .py) against the CPU reference.
+"""Quantized matmul (kernels/quant_matmul.py and its kernel families: matmul_rows.cu, gemm.cu, wgmma.cu, dequant.cu)
+against the CPU reference.
 
 CPU tests check what prepare() builds: the lane layout read back the way the kernels read it must give the
 reference's dequantized weight bit for bit, and the kernel's own bit-extraction functions (compiled for the host
@@ -213,9 +214,9 @@ def test_sixteen_row_plans_weigh_the_split_reduction_against_the_warps_stream():
 
 def test_the_models_reduction_round_is_the_kernels():
     """REDUCE_ROWS x REDUCE_SPLITS in the planner's model: the rows and splits reduce_splits loads at once at 8-16
-    rows (quant_matmul.cu QMM_REDUCE_ROWS, REDUCE_LOADS / 2); at one row, M1_MAX_SPLITS the splits it loads at
+    rows (qmm.cuh QMM_REDUCE_ROWS, REDUCE_LOADS / 2); at one row, M1_MAX_SPLITS the splits it loads at
     once."""
-    source = Path(qm.__file__).with_suffix(".cu").read_text()
+    source = (Path(qm.__file__).parent / "qmm.cuh").read_text()
     rows = int(re.search(r"^#define QMM_REDUCE_ROWS (\d+)", source, re.M).group(1))
     loads = int(re.search(r"^constexpr int REDUCE_LOADS = (\d+);", source, re.M).group(1))
     assert (qm.REDUCE_ROWS, qm.REDUCE_SPLITS) == (rows, loads // 2) and qm.M1_MAX_SPLITS == loads
@@ -227,7 +228,7 @@ def test_planner_prefers_one_full_wave():
 
 
 def gemm_warp_tiles(rows: int, shape: tuple[int, int]) -> list[list[int]]:
-    """The m16 tiles of x each GEMM warp multiplies, per (M tile, row group), as quant_matmul.cu GemmTile cuts them."""
+    """The m16 tiles of x each GEMM warp multiplies, per (M tile, row group), as qmm_tiled.cuh GemmTile cuts them."""
     groups, m_tiles = shape
     m16 = -(-rows // 16)
     per_tile = -(-m16 // m_tiles)
@@ -267,7 +268,7 @@ def test_forward_picks_the_path_from_the_rows_alone(wgmma):
 
 
 def test_wgmma_shared_a_meets_the_descriptors_canonical_layout():
-    """quant_matmul.cu WgmmaSink: where lane 4g + q stores pair (j, s, h) of its strip's chunk is where the wgmma
+    """wgmma.cu WgmmaSink: where lane 4g + q stores pair (j, s, h) of its strip's chunk is where the wgmma
     descriptor (K-major, no swizzle: 8 rows x 16 bytes a core matrix, LBO along K, SBO along the rows) reads A[column]
     [MMA k]; and D row 16 (warp % 4) + g + 8h of tile t is the epilogue's strip and column."""
     strip_bytes, lbo, sbo = 2048, 128, 512
@@ -346,7 +347,7 @@ def _offset_lines() -> str:
 
 
 HARNESS = r"""
-#include "quant_matmul.cu"
+#include "gemm.cu"
 #include <cstddef>
 #include <cstdio>
 template <int B> void pairs(const unsigned* in) {
@@ -380,7 +381,7 @@ int main() {   // lines "P bits words...", "S word g", "Z word j", "K n", "O 0"
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    """quant_matmul.cu's decode functions compiled for the host (nvcc; PTX only, so no GPU code generation)."""
+    """The kernels' decode functions (dequant.cuh, via gemm.cu) compiled for the host (nvcc; PTX only, so no GPU code generation)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found")

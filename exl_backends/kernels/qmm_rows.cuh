@@ -1,0 +1,509 @@
+// qmm_rows.cuh: the one- to sixteen-row matmul (matmul_part / matmul_part_staged, the split-K reduction),
+// stage_xs, and the MoE variant (moe_matmul), shared by matmul_rows.cu and matmul_moe.cu.
+//
+// MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
+//   stage_xs writes x (or the gated MLP's silu(x) * up) once per launch as the matmul reads it: each part's R = 1, 8 or
+//   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's
+//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block
+//   S = 8 or 7 warps, one a strip, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid
+//   to one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
+//   (PREFETCH_BYTES) and all group records of its range, and the block stages its chunk_meta entries: all from the
+//   parameters, so this overlaps the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the
+//   chunks of strip S bx + w in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are
+//   in flight without holding registers), loading with each chunk's words its B fragments of x and its corrections
+//   (L2): per chunk each lane decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and
+//   issues m16n8k16 MMAs with A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the
+//   current group. At each group change the partial (minus the FOLDED corrections) is scaled by the group's per-column
+//   scale (fp32) and added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the
+//   fp32 rounding of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   (docs/decode-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
+//   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
+//   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
+//   n_splits == 1: the warp adds bias and writes y (fp16). n_splits > 1: the warp writes its fp32 partial to ws
+//   [part.ws_offset + (split * M + m) * Np + col], then counts itself in counters[strip]; the last warp of a strip
+//   to finish sums the partials in split order (deterministic), adds bias, writes y, and resets the counter to 0
+//   for the next launch.
+//
+#pragma once
+#include "qmm.cuh"
+
+namespace qmm {
+
+using namespace exl;
+
+// ------------------------------------------------------------------------------------------- matmul
+
+template <bool C, class A, class B> struct Pick { using T = A; };
+template <class A, class B> struct Pick<false, A, B> { using T = B; };
+
+// x as stage_xs left it, read per chunk with the weights (GX sinks): the lane's B fragments of the two k16 steps
+// for each x-row tile, and the chunk's corrections of its x rows (one row: row 0's (x, y); else rows 2q, 2q + 1 of
+// each tile as (x, y, z, w)).
+template <int N8, bool M1>
+struct XChunk {
+    uint2 b[N8][2];
+    typename Pick<M1, float2, float4>::T corr[N8];
+};
+
+// Accumulates y^T for the warp's 32 columns: acc[t][n] is the C fragment of column tile t (columns 16t..16t+15
+// of the strip) and x-row tile n (rows 8n..8n+7). M1: only x row 0, i.e. fragment entries 0 and 2.
+// GX (the dense launches): x and the corrections come from global memory (stage_xs's output) in the batches, not
+// from the block's shared memory (MoE stages them per block).
+template <class Fmt, int N8, bool M1, bool GX = false>
+struct MatmulSink {
+    // Every staged kernel pipelines its batches (walk_run), the 8- and 16-row ones at one block per SM for the
+    // registers (docs/decode-matmul.md); MoE's 16-row kernel (two blocks per SM, x in shared memory) does not.
+    static constexpr bool PIPELINE = M1 || GX;
+    static constexpr int BATCH = 0;            // chunks per batch: 0 for batch<B>() (walk_run)
+    static constexpr int ROWS = M1 ? 1 : 8 * N8;       // GX: x rows staged (rows past M repeat row M - 1)
+    using Extra = typename Pick<GX, XChunk<N8, M1>, NoExtra::Extra>::T;
+    // B fragments come from x row min(g, M-1) (+ tile1 for row min(8+g, M-1)), columns 4q.. of the current chunk.
+    // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
+    const half* xc;
+    int tile1;
+    const float2* corr;      // the split's corrections [chunk - c0][M] (FOLDED widths)
+    int c0, M;
+    const half* xg;          // GX: the part's x in stored order [ROWS][K], at row g (M1: row 0)
+    size_t tile_step;        // GX: halves from row g to row 8 + g
+    const float2* cg;        // GX: its corrections [chunk][ROWS], at row 2q (M1: row 0)
+    int group = -1;
+    typename Fmt::State st;
+    float sf[4] = {};        // scales of the current group's columns col(0..3), fp32
+    float zf[4] = {};        // zero points of those columns (FOLDED widths)
+    float s1[N8][2] = {}, s0[N8][2] = {};     // the group's sum of corrections of x rows 8n + 2q + e
+    float part[2][N8][4] = {};
+    float acc[2][N8][4] = {};
+
+    __device__ void flush()
+    {
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int n = 0; n < N8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (!M1 || i % 2 == 0) {
+                        const int j = 2 * t + i / 2;
+                        const float offset = fmaf(zf[j], s0[n][i % 2], s1[n][i % 2]);
+                        acc[t][n][i] = fmaf(part[t][n][i] - offset, sf[j], acc[t][n][i]);
+                        part[t][n][i] = 0.f;
+                    }
+#pragma unroll
+        for (int n = 0; n < N8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s1[n][e] = s0[n][e] = 0.f;
+    }
+
+    // Chunks c .. c + U - 1: from one 64-bit pointer per batch, so every load takes an immediate offset (per-chunk
+    // 32-bit indexes cost ~13 address instructions per chunk: ncu, docs/decode-matmul.md).
+    template <int B, int U>
+    __device__ void extras(int c, Extra (&ex)[U]) const
+    {
+        if constexpr (GX) {
+            const float2* cb = cg + (ptrdiff_t)c * ROWS;
+#pragma unroll
+            for (int n = 0; n < N8; ++n) {
+                const uint2* xb =
+                    reinterpret_cast<const uint2*>(xg + n * tile_step + 32 * (ptrdiff_t)c) + threadIdx.x % 4;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    ex[u].b[n][0] = __ldg(xb + 8 * u);        // rows 4q .. 4q + 3 of chunk c + u
+                    ex[u].b[n][1] = __ldg(xb + 8 * u + 4);    // rows 16 + 4q ..
+                    if constexpr (M1)
+                        ex[u].corr[n] = folded<B>() ? __ldg(cb + u) : make_float2(0.f, 0.f);
+                    else                                      // rows 8n + 2q, + 1: 16-byte aligned
+                        ex[u].corr[n] = folded<B>() ? __ldg(reinterpret_cast<const float4*>(cb + u * ROWS + 8 * n))
+                                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            }
+        }
+    }
+
+    template <int B>
+    __device__ void chunk(const unsigned (&w)[B], int group_key, const typename Fmt::Raw& raw, int c, const Extra& ex)
+    {
+        if (group_key != group) {
+            flush();
+            Fmt::template enter<B>(raw, g(), st);
+            sf[0] = __low2float(st.scale[0]); sf[1] = __high2float(st.scale[0]);
+            sf[2] = __low2float(st.scale[1]); sf[3] = __high2float(st.scale[1]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) zf[j] = Fmt::template zero<B>(raw, j);
+            group = group_key;
+        }
+        half2 a[16];
+        if constexpr (folded<B>() && GX) {
+            decode_raw<B>(w, a);
+#pragma unroll
+            for (int n = 0; n < N8; ++n) {
+                s1[n][0] += ex.corr[n].x;
+                s0[n][0] += ex.corr[n].y;
+                if constexpr (!M1) {
+                    s1[n][1] += ex.corr[n].z;
+                    s0[n][1] += ex.corr[n].w;
+                }
+            }
+        } else if constexpr (folded<B>()) {
+            decode_raw<B>(w, a);
+            const float2* cc = corr + (c - c0) * M;
+            const int q = threadIdx.x % 4;
+#pragma unroll
+            for (int n = 0; n < N8; ++n)
+#pragma unroll
+                for (int e = 0; e < (M1 ? 1 : 2); ++e) {
+                    const float2 v = cc[min(8 * n + 2 * q + e, M - 1)];
+                    s1[n][e] += v.x;
+                    s0[n][e] += v.y;
+                }
+        } else {
+            decode_pairs<B, Fmt>(w, st, a);
+        }
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned b[N8][2];
+#pragma unroll
+            for (int n = 0; n < N8; ++n) {
+                uint2 v;
+                if constexpr (GX) v = ex.b[n][s];
+                else v = *reinterpret_cast<const uint2*>(xc + n * tile1 + 16 * s);
+                b[n][0] = v.x;                         // rows 16s + 4q, +1  (MMA k = 2q, 2q+1)
+                b[n][1] = v.y;                         // rows 16s + 4q + 2, +3  (MMA k = 2q+8, 2q+9)
+            }
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int n = 0; n < N8; ++n)           // A rows g / g+8 = columns col(2t) / col(2t+1)
+                    mma_16816(part[t][n], as_bits(a[8 * t + 2 * s]), as_bits(a[8 * t + 4 + 2 * s]),
+                              as_bits(a[8 * t + 2 * s + 1]), as_bits(a[8 * t + 4 + 2 * s + 1]), b[n][0], b[n][1]);
+        }
+        if constexpr (!GX) xc += 32;
+    }
+
+    __device__ static int g() { return threadIdx.x % 32 / 4; }
+};
+
+// Width of chunk c (from the part's runs).
+__device__ __forceinline__ int width_at(const Part& pt, int c)
+{
+    int b = 2;
+#pragma unroll
+    for (int i = N_WIDTHS - 1; i >= 0; --i)
+        if (c < pt.run_start[i + 1]) b = width_of(i);
+    return b;
+}
+
+// 2^-i of row r of a chunk of width b (FOLDED widths; 1 otherwise).
+__device__ __forceinline__ float row_scale(int b, int r) { return b == 4 && (r >> 1 & 1) ? 0.0625f : 1.f; }
+
+// One round of the x gather: for rows base + u * THREADS of a split (u < STAGE_LOADS), the row of x each comes
+// from (perm) and its FOLDED scale 2^-i. These depend on the weights only, so the first round is prepared before
+// pdl_wait: the perm reads (an L2 round trip) overlap the kernel before this one.
+struct GatherRound {
+    int src[STAGE_LOADS];
+    float scale[STAGE_LOADS];
+
+    __device__ __forceinline__ void prepare(const Part& pt, int c0, int rows, int base)
+    {
+        const int r0 = 32 * c0;
+#pragma unroll
+        for (int u = 0; u < STAGE_LOADS; ++u) {
+            const int r = max(0, min(base + u * THREADS, rows - 1));   // past the end: a repeat of the last row
+            src[u] = pt.perm ? __ldg(pt.perm + r0 + r) : r0 + r;
+            scale[u] = row_scale(width_at(pt, c0 + r / 32), r % 32);
+        }
+    }
+};
+
+// x rows [32 c0, 32 c1) of stored order into shared memory: xs[m][r] = x[m][perm[32 c0 + r]] (x' = x * 2^-i for
+// FOLDED rows). first: the first round, prepared. Each thread has ROWS * STAGE_LOADS independent gathers in flight
+// (they hit L2: x is shared by every block): a row at a time, 16 rows took 16 L2 round trips before the first MMA.
+template <int ROWS>
+__device__ __forceinline__ void stage_x(half* xs, const half* x, const Part& pt, int M, int K, int c0, int c1,
+                                        int xs_stride, GatherRound round)
+{
+    const int rows = 32 * (c1 - c0);
+    for (int base = threadIdx.x; base < rows; base += THREADS * STAGE_LOADS) {
+        if (base != (int)threadIdx.x) round.prepare(pt, c0, rows, base);
+        for (int m0 = 0; m0 < M; m0 += ROWS) {
+            half v[ROWS][STAGE_LOADS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)                     // rows past M: a harmless repeat of row M - 1
+#pragma unroll
+                for (int u = 0; u < STAGE_LOADS; ++u)
+                    v[i][u] = __ldg(x + (size_t)min(m0 + i, M - 1) * K + round.src[u]);
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < STAGE_LOADS; ++u) {
+                    const int r = base + u * THREADS;
+                    if (m0 + i < M && r < rows)
+                        xs[(m0 + i) * xs_stride + r] = __float2half_rn(__half2float(v[i][u]) * round.scale[u]);
+                }
+        }
+    }
+}
+
+// y (+ bias) for column col of a strip whose n_splits partials are in: each x row's partials added in split order
+// (deterministic). ROWS x rows at a time with SPLITS partials each in flight per lane (one row at a time, 16 rows
+// took 16 L2 round trips).
+template <int ROWS, int SPLITS>
+__device__ __forceinline__ void reduce_splits(const float* parts, half* y, const half* bias, int M, int N, int Np,
+                                              int ws_rows, int n_splits, int col)
+{
+    for (int m0 = 0; m0 < M; m0 += ROWS) {
+        float sum[ROWS] = {};
+        for (int s0 = 0; s0 < n_splits; s0 += SPLITS) {
+            float v[ROWS][SPLITS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < SPLITS; ++u)
+                    v[i][u] = m0 + i < M && s0 + u < n_splits
+                                  ? __ldcg(parts + ((size_t)(s0 + u) * ws_rows + m0 + i) * Np + col) : 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int u = 0; u < SPLITS; ++u) sum[i] += v[i][u];
+        }
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+            if (m0 + i < M && col < N) y[(size_t)(m0 + i) * N + col] = __float2half_rn(sum[i] + bias_at(bias, col));
+    }
+}
+
+// Per chunk of the split and x row m: (sum_r 1024 x'_r, sum_r x_r) over its 32 rows for FOLDED widths ((0, 0)
+// otherwise), x'_r as staged and x_r = x'_r * 2^i (what the MMA's products amount to). A warp takes a chunk at a
+// time, P lanes per x row, each lane 32 / P rows of it.
+__device__ __forceinline__ void stage_corrections(float2* corr, const half* xs, const Part& pt, int M, int c0, int c1,
+                                                  int xs_stride)
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int P = M <= 1 ? 32 : M <= 2 ? 16 : M <= 4 ? 8 : M <= 8 ? 4 : 2, per = 32 / P;
+    const int m = lane / P, r0 = lane % P * per;
+    for (int c = warp; c < c1 - c0; c += WARPS) {
+        const int b = width_at(pt, c0 + c);
+        float lo = 0.f, hi = 0.f;                   // rows with (r >> 1) & 1 clear / set
+        if (m < M)
+            for (int r = r0; r < r0 + per; ++r) {
+                const float v = __half2float(xs[m * xs_stride + 32 * c + r]);
+                if (r >> 1 & 1) hi += v; else lo += v;
+            }
+        for (int span = P / 2; span >= 1; span /= 2) {
+            lo += __shfl_xor_sync(FULL_MASK, lo, span);
+            hi += __shfl_xor_sync(FULL_MASK, hi, span);
+        }
+        if (m < M && lane % P == 0)
+            corr[c * M + m] = (b == 4 || b == 6 || b == 8)
+                                  ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2)) : make_float2(0.f, 0.f);
+    }
+}
+
+// Calls f(value, m, col) for each of the warp's accumulators of its strip with x row m < M (acc[t][n][i]: column
+// strip*32 + 16t + g + 8(i/2), x row 8n + 2q + i%2; M1: entries 0 and 2 only).
+template <int N8, bool M1, class F>
+__device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int strip, int M, F f)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int n = 0; n < N8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int m = 8 * n + 2 * q + i % 2;
+                if ((!M1 || i % 2 == 0) && m < M) f(acc[t][n][i], m, strip * 32 + 16 * t + g + 8 * (i / 2));
+            }
+}
+
+// The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
+// warp to arrive reduces them.
+template <int N8, bool M1>
+__device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
+                                       half* y, float* ws, int ws_rows, int* counters)
+{
+    const int lane = threadIdx.x % 32;
+    const int N = pt.n, Np = pt.np;
+    if (pt.n_splits == 1) {
+        for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) {
+            if (col < N) y[(size_t)m * N + col] = __float2half_rn(v + bias_at(pt.bias, col));
+        });
+        return;
+    }
+    float* part = ws + (size_t)split * ws_rows * Np;
+    for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) { part[(size_t)m * Np + col] = v; });
+    __syncwarp();                                // the warp's partials, then its arrival (release)
+    int done = 0;
+    if (lane == 0) done = arrive(counters + strip);
+    done = __shfl_sync(FULL_MASK, done, 0);
+    if (done != pt.n_splits - 1) return;
+    __syncwarp();                                // the last warp of the strip: every other split's partial is in
+    if constexpr (M1)
+        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
+    else
+        reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
+    if (lane == 0) counters[strip] = 0;
+}
+
+// Block `local` of part pt (of p): y [M, pt.n] = x [M, K] @ W^T (+ bias). Split partials go to
+// ws[(split * ws_rows + m) * Np + col] (ws: this part's, row 0), arrivals to counters[strip] (this part's).
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int local, int M, const half* x, half* y,
+                                            float* ws, int ws_rows, int* counters)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    half* xs = reinterpret_cast<half*>(smem);
+    int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * WARPS + warp;
+    const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1];
+
+    Stream st;
+    if (strip < pt.strips) {                 // DRAM reads first; they overlap the staging below
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
+    }
+    GatherRound first;                                 // the weights' own metadata: no earlier kernel writes it
+    first.prepare(pt, c0, 32 * (c1 - c0), threadIdx.x);
+    stage_meta(meta_s, pt.chunk_meta, c0, c1);
+    pdl_wait();                                        // x, ws and the counters belong to earlier kernels
+    stage_x<M1 ? 1 : STAGE_ROWS>(xs, x, pt, M, p.K, c0, c1, p.xs_stride, first);
+    __syncthreads();
+    float2* corr = reinterpret_cast<float2*>(smem + p.corr_smem);
+    stage_corrections(corr, xs, pt, M, c0, c1, p.xs_stride);
+    __syncthreads();
+    if (strip >= pt.strips) return;
+
+    MatmulSink<Fmt, N8, M1> sink;
+    sink.xc = xs + min(g, M - 1) * p.xs_stride + 4 * q;
+    sink.tile1 = (min(8 + g, M - 1) - min(g, M - 1)) * p.xs_stride;
+    sink.corr = corr;
+    sink.c0 = c0;
+    sink.M = M;
+    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
+    sink.flush();
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, ws_rows, counters);
+}
+
+// Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
+// corrections [K / 32][ROWS]): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once
+// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait). A block has one
+// warp per strip, 8 or fewer (blockDim.x / 32: the launcher picks the count that fills the wave best).
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
+                                                   const float2* cg, half* y, float* ws, int* counters)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * (blockDim.x / 32) + warp;
+    Stream st;
+    if (strip < pt.strips) {
+        start_stream(st, pt, strip, split, lane);
+        prefetch_records<Fmt>(pt, strip, split, lane);
+    }
+    stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
+    __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
+    if (strip >= pt.strips) return;
+    pdl_wait();                                        // x (stage_xs's), ws and the counters
+    MatmulSink<Fmt, N8, M1, true> sink;
+    const int g = lane / 4, q = lane % 4;
+    sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
+    sink.tile_step = 8 * (size_t)p.K;
+    sink.cg = cg + (M1 ? 0 : 2 * q);
+    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
+    sink.flush();
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
+}
+
+// Block b of the launch of p (the parts laid out in block order; the kernel's blockIdx.x, or a megakernel's
+// virtual block). xs is stage_xs's output for R = 1 (M1), 8 or 16 (N8 = 1, 2) staged rows: the parts' x in stored
+// order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
+                                       int b)
+{
+    constexpr int R = M1 ? 1 : 8 * N8;
+    const int pi = part_of(p, b);
+    const Part& pt = p.part[pi];
+    half* y = pi == 0 ? y0 : pi == 1 ? y1 : y2;
+    const float2* corr =
+        reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
+    matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
+                                    ws ? ws + pt.ws_offset : ws, pt.counters);
+}
+
+// x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,
+// m) of the grid (ceil(K / 32 / WARPS), n_parts, R) stages chunk c = bx * WARPS + warp of the part and row m, by one
+// warp, lane r taking stored
+// row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
+// correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). What is staged
+// in place of x, so that the op before needs no launch of its own:
+//  - up non-null ([M, K] like x): the gated MLP's fp16(fp16(silu(x)) * up), rounded as activation.cu's silu_mul;
+//  - norm_w non-null: the block's add_rmsnorm (residual non-null) or rmsnorm of x with weight norm_w (stage_norm),
+//    the new residual written to new_residual.
+__device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, const half* residual,
+                                         const half* norm_w, half* new_residual, float eps, half* xs, int bx,
+                                         int part, int m, int R)
+{
+    const int c = bx * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, chunks = p.K / 32;
+    const bool active = c < chunks;                    // (the grid's y is n_parts)
+    if (!active && !norm_w) return;                    // (with a norm, every thread takes part in its barrier)
+    const Part& pt = p.part[part];
+    const int k = 32 * c + lane, b = active ? width_at(pt, c) : 0;
+    const int src = !active ? 0 : pt.perm ? __ldg(pt.perm + k) : k;
+    const half w = norm_w ? __ldg(norm_w + src) : half();
+    pdl_wait();                                        // x comes from the kernel before
+    const size_t row = (size_t)min(m, p.M - 1) * p.K;
+    half in;
+    if (norm_w) {
+        in = stage_norm(x, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M, bx);
+        if (!active) return;
+    } else {
+        in = x[row + src];
+    }
+    if (up) in = silu_mul(in, up[row + src]);
+    const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
+    xs[((size_t)part * R + m) * p.K + k] = v;
+    float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
+    if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
+    for (int span = 16; span >= 1; span /= 2) {
+        lo += __shfl_xor_sync(FULL_MASK, lo, span);
+        hi += __shfl_xor_sync(FULL_MASK, hi, span);
+    }
+    float2* corr = reinterpret_cast<float2*>(xs + (size_t)p.n_parts * R * p.K);
+    if (lane == 0)
+        corr[((size_t)part * chunks + c) * R + m] = (b == 4 || b == 6 || b == 8)
+                                              ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2))
+                                              : make_float2(0.f, 0.f);
+}
+
+// MoE: the experts of one layer (experts[e], a Params in device memory, all with the same parts' shapes and block
+// counts) applied to the rows of x routed to them, which the launcher has sorted by expert: rows offsets[e] ..
+// offsets[e] + counts[e] - 1 of x [S, K] go through expert e into the same rows of y0 (and y1) [S, n]. Block
+// (b, e, z) is block b of expert e for its rows 16z .. 16z + 15 (ROWS per pass: 1 for the m1 kernel, which the
+// launcher uses when no expert has more than one row); experts without rows there exit at once, so only the routed
+// experts' weights are read, and the launch reads no host value (CUDA-graph safe). Split partials of part i:
+// ws[i * ws_part + (split * S + row) * np], arrivals: counters[((e * gridDim.z + z) * MAX_PARTS + i) * strips_max +
+// strip] (zero before, zero after).
+template <class Fmt, int N8, bool M1>
+__device__ __forceinline__ void moe_matmul(const Params* experts, const int* offsets, const int* counts, int S,
+                                           const half* x, half* y0, half* y1, float* ws, long long ws_part,
+                                           int* counters, int strips_max)
+{
+    constexpr int ROWS = M1 ? 1 : 8 * N8;
+    pdl_wait();                                        // the routing (offsets, counts) comes from earlier kernels
+    const int e = blockIdx.y, z = blockIdx.z;
+    const int M = min(ROWS, __ldg(counts + e) - ROWS * z);
+    if (M <= 0) return;
+    const int row0 = __ldg(offsets + e) + ROWS * z;
+    const Params& p = experts[e];
+    const int pi = part_of(p, blockIdx.x);
+    const Part& pt = p.part[pi];
+    const int local = blockIdx.x - pt.block0;
+    if (local >= pt.col_blocks * pt.n_splits) return;
+    matmul_part<Fmt, N8, M1>(p, pt, local, M, x + (size_t)row0 * p.K, (pi == 0 ? y0 : y1) + (size_t)row0 * pt.n,
+                             ws ? ws + pi * ws_part + (size_t)row0 * pt.np : ws, S,
+                             counters + ((size_t)(e * gridDim.z + z) * MAX_PARTS + pi) * strips_max);
+}
+
+}  // namespace qmm
