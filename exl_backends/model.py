@@ -215,7 +215,9 @@ class Model:
             h = h[batch.logit_rows]
             residual = None if residual is None else residual[batch.logit_rows]
         x, _ = self.ops.norm_residual(h, residual, self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x)
+        megakernel.flush()      # inside megakernel.chaining, a quantized head's launch runs now, before it is read
+        logits = logits.float()
         if self.config.final_softcap is not None:
             logits = self.ops.softcap(logits, self.config.final_softcap)
         return logits

@@ -3,7 +3,8 @@
 How it is used: while a decode step of one sequence is captured (runner.DecodeGraph), the model runs inside
 `chaining()`. Then every one-row EXL2 matmul (QuantMatmul._small) does not launch its stage_xs and matmul kernels
 but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
-before anything else reads them (before RoPE + KV write, and after the last block): the chain becomes one launch of
+before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
+becomes one launch of
 decode_segment_exl2, which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
 one before through a counter in device memory, and each CTA streaming its next matmul's weights into L2 before it
 waits. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next

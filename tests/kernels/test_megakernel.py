@@ -108,9 +108,10 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
     assert model.chainable()
     cache, step = decode_step(model, cache_mode, 70)
     plain = model.forward(step, cache).clone()
-    with mk.chaining(mk.counters(len(model.blocks) + 1, model.device)) as chain:
+    with mk.chaining(mk.counters(len(model.blocks) + 2, model.device)) as chain:
         chained = model.forward(step, cache).clone()
-    assert len(chain.segments) == len(model.blocks) + 1          # each block's qkv ends one, the last block's MLP one
+    # each block's q/k/v ends one, the last block's MLP one, a quantized head one
+    assert len(chain.segments) == len(model.blocks) + 1 + (getattr(model.lm_head, "kernel", None) is not None)
     assert torch.equal(chained, plain)
     again = Runner(model, cache, max_batch=1, max_pages=4, eager=False)
     for _ in range(3):                                           # the counters reset themselves between replays
@@ -141,7 +142,7 @@ def test_the_printed_schedule_is_the_captured_steps():
     path = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
     model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
     text = decode_schedule(model)
-    assert text.startswith(f"a decode step of one sequence: {len(model.blocks) + 1} megakernel launches")
+    assert text.startswith(f"a decode step of one sequence: {len(model.blocks) + 2} megakernel launches")
     assert "launch 0: one launch of" in text and "op 1: matmul" in text and "waits for op 0" in text
 
 
