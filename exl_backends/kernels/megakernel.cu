@@ -12,11 +12,12 @@
 //   Virtual block v of op k runs on CTA (op.first + v) % gridDim.x: megakernel.py's schedule picks `first` (and
 //   prints it). done[k] counts op k's finished blocks; done[n_ops] the CTAs that finished the segment.
 //
-// ORDER. Before its first block of op k, a CTA waits until done[k - 1] == ops[k - 1].blocks: op k - 1 is complete,
-//   and so (its blocks waited in turn) is every op before, so each op reads finished outputs and no op overwrites
-//   what an earlier one still reads, exactly as the launches' stream order guaranteed. The wait is one thread's
-//   acquire load (which also invalidates the SM's L1: no stale line of a buffer another CTA wrote is read) and a
-//   block barrier; the signal is a block barrier and one release add. The last CTA to finish resets done[] for the
+// ORDER. Before a block of op k reads any op's output, each of its warps waits until done[k - 1] ==
+//   ops[k - 1].blocks (CounterWait, where launch-per-op has its dependent-launch wait: what reads only weights comes
+//   first): op k - 1 is complete, and so (its blocks waited in turn) is every op before, so each op reads finished
+//   outputs and no op overwrites what an earlier one still reads, exactly as the launches' stream order guaranteed.
+//   The wait is lane 0's acquire load (which also invalidates the SM's L1: no stale line of a buffer another CTA
+//   wrote is read) and a warp barrier; the signal is a block barrier and one release add. The last CTA to finish resets done[] for the
 //   next launch (every other CTA is past its last wait by then).
 //
 // NO GAPS IN THE WEIGHT STREAM. Weights depend on nothing, so a CTA asks for its blocks' weight spans of the NEXT
@@ -62,6 +63,7 @@ struct Segment {
     Op op[MAX_OPS];
     int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
+    int prefetch;                // 0: no L2 prefetch of the next matmul's weights (EXL_MK_PREFETCH=0, to measure it)
 };
 
 __device__ __forceinline__ int load_acquire(const int* p)
@@ -112,37 +114,65 @@ __device__ __forceinline__ int next_matmul(const Segment& s, int k)
     return s.n_ops;
 }
 
+// The wait of op k's blocks (qmm::PdlWait's place): the launch before, then op k - 1's blocks (counter null: op 0).
+// Per warp: lane 0's acquire load, then the warp's barrier (a block's warps may have returned already).
+struct CounterWait {
+    const int* counter;
+    int target;
+
+    __device__ __forceinline__ void operator()() const
+    {
+        exl::pdl_wait();
+        if (counter == nullptr) return;
+        if (threadIdx.x % 32 == 0)
+            while (load_acquire(counter) < target) __nanosleep(20);
+        __syncwarp();
+    }
+};
+
+// p: the op's Params in shared memory (copy_params): read in place from global memory, every field's first read
+// was an L2 round trip after the wait, where launch-per-op reads them from the constant bank.
 template <class Fmt>
-__device__ __forceinline__ void run_block(const Op& op, int v)
+__device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, int v, const CounterWait& wait)
 {
-    const qmm::Params& p = *op.params;
     if (op.kind == STAGE)
         qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
-                      v / op.grid_x, 0, 1);
+                      v / op.grid_x, 0, 1, wait);
     else
-        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v);
+        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, wait);
+}
+
+// src into shared memory, every thread taking part (the caller's barrier publishes it).
+__device__ __forceinline__ void copy_params(qmm::Params& dst, const qmm::Params* src)
+{
+    static_assert(sizeof(qmm::Params) % 4 == 0, "copied in words");
+    for (int i = threadIdx.x; i < (int)(sizeof(qmm::Params) / 4); i += blockDim.x)
+        reinterpret_cast<int*>(&dst)[i] = __ldg(reinterpret_cast<const int*>(src) + i);
 }
 
 template <class Fmt>
 __device__ void decode_segment(const Segment& s)
 {
+    __shared__ qmm::Params params_s;
     const int c = blockIdx.x, G = gridDim.x;
     const int first_mm = next_matmul(s, -1);
-    if (first_mm < s.n_ops) prefetch_weights(s.op[first_mm], c, G);
+    if (s.prefetch && first_mm < s.n_ops) prefetch_weights(s.op[first_mm], c, G);
     for (int k = 0; k < s.n_ops; ++k) {
         const Op& op = s.op[k];
         const int v0 = first_block(op, c, G);
-        if (is_matmul(op)) {                       // the next matmul's weights stream while this one runs
+        if (s.prefetch && is_matmul(op)) {             // the next matmul's weights stream while this one runs
             const int next = next_matmul(s, k);
             if (next < s.n_ops) prefetch_weights(s.op[next], c, G);
         }
         if (v0 >= op.blocks) continue;
-        if (k > 0 && threadIdx.x == 0)
-            while (load_acquire(s.done + k - 1) < s.op[k - 1].blocks) __nanosleep(32);
+        // before the wait: the Params, and in the blocks everything that reads only weights (their metadata, the
+        // first L2 prefetches), as launch-per-op does before its dependent-launch wait
+        copy_params(params_s, op.params);
         __syncthreads();
+        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
-            run_block<Fmt>(op, v);
+            run_block<Fmt>(op, params_s, v, wait);
             __syncthreads();                           // shared memory is the next block's
         }
         if (threadIdx.x == 0) release_add(s.done + k, ran);

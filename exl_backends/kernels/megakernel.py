@@ -40,7 +40,8 @@ OP_DTYPE = np.dtype([(name, np.uint64) for name in
                      ("params", "x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
                     [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
                      ("first", np.int32), ("pad", np.int32)])
-SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32), ("pad", np.int32)])
+SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32),
+                          ("prefetch", np.int32)])
 
 
 @dataclass
@@ -147,6 +148,7 @@ def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"] = op.eps, op.kind, op.blocks, \
             op.grid_x, first
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
+    s["prefetch"] = os.environ.get("EXL_MK_PREFETCH", "1") != "0"      # (off: to measure what the prefetch gives)
     return s
 
 

@@ -384,13 +384,21 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, ws_rows, counters);
 }
 
+// What a block waits for before it reads another kernel's (or op's) output: launch-per-op, the kernel before
+// (dependent launch); a megakernel passes a wait for the op before. Called by each warp that goes on (some return
+// first), so it may synchronise a warp, never the block.
+struct PdlWait {
+    __device__ __forceinline__ void operator()() const { pdl_wait(); }
+};
+
 // Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
-// corrections [K / 32][ROWS]): no x tile and no barrier after pdl_wait, so every warp starts on its weights at once
-// and reads x with them. Shared memory: the split's chunk_meta entries (staged before pdl_wait). A block has one
+// corrections [K / 32][ROWS]): no x tile and no barrier after the wait, so every warp starts on its weights at once
+// and reads x with them. Shared memory: the split's chunk_meta entries (staged before the wait). A block has one
 // warp per strip, 8 or fewer (blockDim.x / 32: the launcher picks the count that fills the wave best).
-template <class Fmt, int N8, bool M1>
+template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
-                                                   const float2* cg, half* y, float* ws, int* counters)
+                                                   const float2* cg, half* y, float* ws, int* counters,
+                                                   const Wait& wait = Wait())
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
@@ -404,7 +412,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
     if (strip >= pt.strips) return;
-    pdl_wait();                                        // x (stage_xs's), ws and the counters
+    wait();                                            // x (stage_xs's), ws and the counters
     MatmulSink<Fmt, N8, M1, true> sink;
     const int g = lane / 4, q = lane % 4;
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
@@ -418,9 +426,9 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
 // Block b of the launch of p (the parts laid out in block order; the kernel's blockIdx.x, or a megakernel's
 // virtual block). xs is stage_xs's output for R = 1 (M1), 8 or 16 (N8 = 1, 2) staged rows: the parts' x in stored
 // order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
-template <class Fmt, int N8, bool M1>
+template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
-                                       int b)
+                                       int b, const Wait& wait = Wait())
 {
     constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, b);
@@ -429,7 +437,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
     const float2* corr =
         reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
     matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
-                                    ws ? ws + pt.ws_offset : ws, pt.counters);
+                                    ws ? ws + pt.ws_offset : ws, pt.counters, wait);
 }
 
 // x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,
@@ -441,9 +449,10 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
 //  - up non-null ([M, K] like x): the gated MLP's fp16(fp16(silu(x)) * up), rounded as activation.cu's silu_mul;
 //  - norm_w non-null: the block's add_rmsnorm (residual non-null) or rmsnorm of x with weight norm_w (stage_norm),
 //    the new residual written to new_residual.
+template <class Wait = PdlWait>
 __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, const half* residual,
                                          const half* norm_w, half* new_residual, float eps, half* xs, int bx,
-                                         int part, int m, int R)
+                                         int part, int m, int R, const Wait& wait = Wait())
 {
     const int c = bx * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, chunks = p.K / 32;
     const bool active = c < chunks;                    // (the grid's y is n_parts)
@@ -452,7 +461,7 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     const int k = 32 * c + lane, b = active ? width_at(pt, c) : 0;
     const int src = !active ? 0 : pt.perm ? __ldg(pt.perm + k) : k;
     const half w = norm_w ? __ldg(norm_w + src) : half();
-    pdl_wait();                                        // x comes from the kernel before
+    wait();                                            // x comes from the kernel before
     const size_t row = (size_t)min(m, p.M - 1) * p.K;
     half in;
     if (norm_w) {

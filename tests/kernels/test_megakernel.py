@@ -55,8 +55,8 @@ HARNESS = r"""
 #include <cstdio>
 int main() {
     OFFSETS
-    printf("%zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment, done), offsetof(mk::Segment, n_ops),
-           sizeof(mk::Segment));
+    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment, done), offsetof(mk::Segment, n_ops),
+           offsetof(mk::Segment, prefetch), sizeof(mk::Segment));
 }
 """
 
@@ -72,7 +72,7 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path):
     assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
         mk.OP_DTYPE.itemsize, mk.SEGMENT_DTYPE.fields["done"][1], mk.SEGMENT_DTYPE.fields["n_ops"][1],
-        mk.SEGMENT_DTYPE.itemsize]
+        mk.SEGMENT_DTYPE.fields["prefetch"][1], mk.SEGMENT_DTYPE.itemsize]
 
 
 def test_chaining_without_counters_changes_nothing():
