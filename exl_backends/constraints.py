@@ -18,6 +18,11 @@ Contract with generator.py
   not have are False) -> `sampling.sample(logits, state, mask)` -> `constraint.advance(token)`.
   `rollback(n)` takes back the last n advanced tokens; `draft_masks(draft, V)` gives the mask at every position
   of a speculative draft.
+- max_tokens (the job's budget of new tokens) makes the output close itself in time: once the tokens left come
+  within reach of the shortest completion, the constraint forces that completion (`closing`), so a JSON value or
+  a tool call ends valid instead of cut (it ends short: a string closed where it was, optional fields left out).
+  A completion of free text (a reasoning block, an unbounded string the search cannot close) is not searched for;
+  such an output ends at the budget, incomplete, and the job says "length".
 - EOS is allowed exactly when the output so far is complete. `is_finished()`: the output is complete and nothing
   but EOS may follow (the job may end without sampling). Advancing an EOS token ends the constraint: after it
   nothing is allowed, until it is rolled back.
@@ -33,6 +38,21 @@ import torch
 from torch import Tensor
 
 from .errors import SamplingError
+from .tools import REASONING_TAGS
+
+# Characters a closing search tries, most closing first: a quote ends a string (and opens the shortest value), then
+# the closers, the shortest values, separators, then any printable character (key names, enum values, literal
+# text of a grammar).
+CLOSE_CHARS = ('"]}0,:' + "ntf-.e1[{" + "abcdghijklmopqrsuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "23456789"
+               + "_</>=|;!?#$%&'()*+@\\^`~" + " \n")     # whitespace last: where it is free it never closes anything
+# Whole strings a closing search tries once, first: the closing tags of reasoning blocks (a block of free text has
+# no completion within reach character by character).
+CLOSE_HINTS = tuple(close for _, close in REASONING_TAGS)
+CLOSE_MAX_CHARS = 192       # a completion longer than this is not searched for (free text has none within reach)
+# The completion is forced while CLOSE_MARGIN tokens beyond it are still left: the token sampled before it may
+# lengthen it (`,` after a value: a whole field more), and one token rarely adds more than a few characters.
+CLOSE_MARGIN = 8
+CLOSE_SLACK = 24
 
 class GrammarTokenizer:
     """llguidance's view of an HF fast tokenizer, built once per model and shared by its constraints."""
@@ -47,14 +67,28 @@ class GrammarTokenizer:
             raise SamplingError(f"constrained output needs a fast (tokenizer.json) HF tokenizer: {e}") from e
         self.vocab_size = self.ll.vocab_size
         self.eos_token_ids = frozenset(self.ll.eos_tokens)
+        self._char_tokens: list[int] | None = None
+
+    def hint_tokens(self) -> list[list[int]]:
+        """The tokens of each CLOSE_HINTS string."""
+        return [self.ll.tokenize_str(h) for h in CLOSE_HINTS]
+
+    def char_tokens(self) -> list[int]:
+        """The tokens of single characters that closing searches try, in CLOSE_CHARS' order (made once)."""
+        if self._char_tokens is None:
+            ids = [self.ll.tokenize_str(c) for c in CLOSE_CHARS]
+            self._char_tokens = [t[0] for t in ids if len(t) == 1]
+        return self._char_tokens
 
 
 class Constraint:
     """The state of one constrained output: which tokens may come next."""
 
     def __init__(self, tokenizer: GrammarTokenizer, *, json_schema: dict | str | None = None,
-                 json_object: bool = False, regex: str | None = None, grammar: str | None = None):
+                 json_object: bool = False, regex: str | None = None, grammar: str | None = None,
+                 max_tokens: int | None = None):
         self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
         spec = _grammar_spec(json_schema, json_object, regex, grammar)
         error = llguidance.LLMatcher.validate_grammar(spec, tokenizer.ll)
         if error:
@@ -63,11 +97,20 @@ class Constraint:
         # an EOS was advanced: kept out of the matcher, which records an EOS only in some states (not once the
         # grammar has stopped), so that rollback counts stay exact
         self._ended = False
+        self._n_advanced = 0
+        self._closing: list[int] = []           # tokens forced to complete the output before the budget ends
+        self._closing_from = 0                  # _n_advanced where the forced completion began
+        self._close_len: int | None = None      # the last completion's length (None: none found)
+        self._searched = False
 
     def allowed(self, vocab_size: int) -> Tensor:
         """bool [vocab_size] on CPU: the tokens allowed next."""
         out = torch.zeros(vocab_size, dtype=torch.bool)
         if self._ended:
+            return out
+        forced = self._forced_token()
+        if forced is not None:
+            out[forced] = True
             return out
         # one bit per token, packed in little-endian int32 words: token t is bit t % 8 of byte t // 8
         packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
@@ -87,6 +130,7 @@ class Constraint:
             return
         if not self._matcher.consume_token(token):
             raise SamplingError(f"token {token} is not allowed by the constraint: {self._matcher.get_error()}")
+        self._n_advanced += 1
 
     def rollback(self, n: int):
         if n and self._ended:
@@ -94,6 +138,35 @@ class Constraint:
             n -= 1
         if n and not self._matcher.rollback(n):
             raise SamplingError(f"cannot roll the constraint back by {n} tokens: {self._matcher.get_error()}")
+        self._n_advanced -= n
+        if self._closing and self._n_advanced < self._closing_from:
+            self._closing = []
+
+    def _forced_token(self) -> int | None:
+        """The next token of the forced completion, when the budget has come to need one."""
+        if self.max_tokens is None or self._matcher.is_accepting():
+            return None
+        left = self.max_tokens - self._n_advanced      # tokens left, this one included
+        if self._n_advanced - self._closing_from >= len(self._closing):   # (a completed output went on)
+            self._closing = []
+        if not self._closing:
+            # a completion is searched for at the start, then only near the end (each search costs ~0.1-1 ms);
+            # one more token may add up to a few closers, hence the slack
+            if self._searched and left > (self._close_len or 0) + CLOSE_MARGIN + CLOSE_SLACK:
+                return None
+            self._searched = True           # the first search, from the start, sizes the window of the next
+            closing = shortest_closing(self._matcher, self.tokenizer.char_tokens(), self.tokenizer.hint_tokens())
+            if closing is not None:         # the same text in the tokenizer's own (fewer) tokens, where they fit
+                canonical = self.tokenizer.ll.tokenize_bytes(self.tokenizer.ll.decode_bytes(closing))
+                if len(canonical) < len(closing) and self._matcher.validate_tokens(canonical) == len(canonical):
+                    closing = canonical
+            if closing is not None:         # (none is found mid-character: a token ended inside a UTF-8 sequence)
+                self._close_len = len(closing)
+            # one token is kept for the EOS after the completion
+            if closing is None or len(closing) + 1 + CLOSE_MARGIN < left:
+                return None
+            self._closing, self._closing_from = closing, self._n_advanced
+        return self._closing[self._n_advanced - self._closing_from]
 
     def is_accepting(self) -> bool:
         """The output so far is complete: EOS is allowed now."""
@@ -144,3 +217,30 @@ def _grammar_spec(json_schema, json_object: bool, regex: str | None, grammar: st
         return llguidance.grammar_from("grammar", grammar)      # Lark, or GBNF converted to Lark
     except ValueError as e:     # json.JSONDecodeError is a ValueError too
         raise SamplingError(f"invalid {given[0]}: {e}") from e
+
+
+def shortest_closing(matcher, char_tokens: list[int], hints: list[list[int]] = ()) -> list[int] | None:
+    """Tokens that take the matcher to an accepting state: each hint once where it fits, then single characters
+    chosen greedily in CLOSE_CHARS' order (for JSON this closes the open string, array and object levels, adding
+    required fields with the shortest values); None when none is found within CLOSE_MAX_CHARS. The matcher is left
+    as it was."""
+    seq: list[int] = []
+    try:
+        for hint in hints:
+            if not matcher.is_accepting() and matcher.validate_tokens(hint) == len(hint):
+                matcher.consume_tokens(hint)
+                seq += hint
+        while not matcher.is_accepting():
+            if len(seq) >= CLOSE_MAX_CHARS:
+                return None
+            for t in char_tokens:
+                if matcher.validate_tokens([t]) == 1:
+                    matcher.consume_token(t)
+                    seq.append(t)
+                    break
+            else:
+                return None
+        return seq
+    finally:
+        if seq:
+            matcher.rollback(len(seq))

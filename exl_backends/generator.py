@@ -116,14 +116,16 @@ class Generator:
                sampling: SamplingParams | None = None, stop: str | Iterable[str] | None = (),
                banned_strings: Iterable[str] | None = (), stop_token_ids: Iterable[int] | None = None,
                json_schema: dict | str | None = None, json_object: bool = False, regex: str | None = None,
-               logprobs: int = 0, min_new_tokens: int = 0, include_stop: bool = False,
+               grammar: str | None = None, logprobs: int = 0, min_new_tokens: int = 0, include_stop: bool = False,
                add_bos: bool | None = None) -> Job:
         """Queues a job and returns it; iterate it for its chunks, or call .result().
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered with the tokenizer's
         chat template; its special tokens then also stop the job). sampling None: greedy. stop_token_ids None:
         the model's EOS tokens. logprobs: how many top alternatives to report with each token's logprob (0: no
-        logprobs). add_bos (text prompts): None follows the tokenizer, True ensures a BOS, False adds none."""
+        logprobs). add_bos (text prompts): None follows the tokenizer, True ensures a BOS, False adds none.
+        json_schema / json_object / regex / grammar (Lark, or GBNF): the output is constrained to it (one kind
+        at most), and closes itself before max_new_tokens runs out where it can (constraints.py)."""
         ids, template_stops = self._encode(prompt, add_bos)
         stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
         banned = tuple(banned_strings or ())
@@ -138,7 +140,7 @@ class Generator:
             raise ValueError(f"logprobs must be >= 0, got {logprobs}")
         stop_ids = (self.eos_ids if stop_token_ids is None else frozenset(stop_token_ids)) | template_stops
         job = Job(ids.tolist(), max_tokens, len(ids) + min_new_tokens, SamplerState(params, ids, self.tokenizer),
-                  self._constraint(json_schema, json_object, regex), stop_ids, stop_strings, banned, include_stop,
+                  self._constraint(json_schema, json_object, regex, grammar, max_tokens - len(ids)), stop_ids, stop_strings, banned, include_stop,
                   logprobs, self.tokenizer, NgramIndex() if self.ngram else None, self._advance)
         if self.draft is not None:
             job.n_draft_cached = 0
@@ -221,13 +223,14 @@ class Generator:
                                      f"lower max_new_tokens or make the Generator with a larger cache_tokens")
         return max_tokens
 
-    def _constraint(self, json_schema, json_object: bool, regex: str | None):
-        if json_schema is None and not json_object and regex is None:
+    def _constraint(self, json_schema, json_object: bool, regex: str | None, grammar: str | None, max_tokens: int):
+        if json_schema is None and not json_object and regex is None and grammar is None:
             return None
         from .constraints import Constraint, GrammarTokenizer    # llguidance loads only for constrained jobs
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, sorted(self.eos_ids))
-        return Constraint(self._grammar_tokenizer, json_schema=json_schema, json_object=json_object, regex=regex)
+        return Constraint(self._grammar_tokenizer, json_schema=json_schema, json_object=json_object, regex=regex,
+                          grammar=grammar, max_tokens=max_tokens)
 
     # ---- the engine -----------------------------------------------------------------------------------------------
 
