@@ -16,9 +16,9 @@
 //   ops[k - 1].blocks (CounterWait, where launch-per-op has its dependent-launch wait: what reads only weights comes
 //   first): op k - 1 is complete, and so (its blocks waited in turn) is every op before, so each op reads finished
 //   outputs and no op overwrites what an earlier one still reads, exactly as the launches' stream order guaranteed.
-//   The wait is lane 0's acquire load (which also invalidates the SM's L1: no stale line of a buffer another CTA
-//   wrote is read) and a warp barrier; the signal is a block barrier and one release add. The last CTA to finish resets done[] for the
-//   next launch (every other CTA is past its last wait by then).
+//   The wait is one acquire load per CTA (which also invalidates the SM's L1: no stale line of a buffer another
+//   CTA wrote is read), passed on to its warps through shared memory; the signal is a block barrier and one release
+//   add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
 //
 // NO GAPS IN THE WEIGHT STREAM. Weights depend on nothing, so a CTA asks for its blocks' weight spans of the NEXT
 //   matmul op (cp.async.bulk.prefetch.L2: one instruction per warp span) before it waits for the current one's
@@ -115,19 +115,35 @@ __device__ __forceinline__ int next_matmul(const Segment& s, int k)
 }
 
 // The wait of op k's blocks (qmm::PdlWait's place): the launch before, then op k - 1's blocks (counter null: op 0).
-// Per warp: lane 0's acquire load, then the warp's barrier (a block's warps may have returned already).
+// Called per warp (a block's warps may have returned already), but one lane of the CTA polls the counter in device
+// memory (the first to take `poller`), and the others wait for its word in shared memory (`ready`): a poller per warp
+// put 8x the loads on the counter's one L2 line. The poller's acquire (which also invalidates the SM's L1) and the
+// CTA-scope release/acquire of `ready` order the op before's writes before every warp's reads.
 struct CounterWait {
     const int* counter;
     int target;
+    int* poller;                 // shared memory, zero at the op's start
+    int* ready;
 
     __device__ __forceinline__ void operator()() const
     {
         exl::pdl_wait();
         if (counter == nullptr) return;
-        if (threadIdx.x % 32 == 0)
-            while (load_acquire(counter) < target) __nanosleep(20);
+        if (threadIdx.x % 32 == 0) {
+            if (atomicCAS(poller, 0, 1) == 0) {
+                while (load_acquire(counter) < target) __nanosleep(32);
+                asm volatile("st.release.cta.shared.s32 [%0], 1;" ::"r"(smem_address(ready)) : "memory");
+            } else {
+                int r;
+                do {
+                    asm volatile("ld.acquire.cta.shared.s32 %0, [%1];" : "=r"(r) : "r"(smem_address(ready)) : "memory");
+                } while (!r);
+            }
+        }
         __syncwarp();
     }
+
+    __device__ static unsigned smem_address(const int* p) { return (unsigned)__cvta_generic_to_shared(p); }
 };
 
 // p: the op's Params in shared memory (copy_params): read in place from global memory, every field's first read
@@ -154,6 +170,7 @@ template <class Fmt>
 __device__ void decode_segment(const Segment& s)
 {
     __shared__ qmm::Params params_s;
+    __shared__ int poller_s, ready_s;               // CounterWait's
     const int c = blockIdx.x, G = gridDim.x;
     const int first_mm = next_matmul(s, -1);
     if (s.prefetch && first_mm < s.n_ops) prefetch_weights(s.op[first_mm], c, G);
@@ -168,8 +185,9 @@ __device__ void decode_segment(const Segment& s)
         // before the wait: the Params, and in the blocks everything that reads only weights (their metadata, the
         // first L2 prefetches), as launch-per-op does before its dependent-launch wait
         copy_params(params_s, op.params);
+        if (threadIdx.x == 0) poller_s = ready_s = 0;
         __syncthreads();
-        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0};
+        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s, &ready_s};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
             run_block<Fmt>(op, params_s, v, wait);
