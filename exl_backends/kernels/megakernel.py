@@ -112,8 +112,9 @@ class Chain:
 
     def flush(self) -> None:
         ops, self.ops = self.ops, []
-        for start in range(0, len(ops), MAX_OPS):
-            self._launch(ops[start:start + MAX_OPS])
+        most = int(os.environ.get("EXL_MK_MAX_OPS", MAX_OPS))
+        for start in range(0, len(ops), most):
+            self._launch(ops[start:start + most])
 
     def _launch(self, ops: list[Op]) -> None:
         device = ops[0].params.device
