@@ -104,7 +104,7 @@ class Chain:
 
     def __init__(self, done: Tensor) -> None:
         self.ops: list[Op] = []
-        self.done = done
+        self.done, self.used = done, 0
         self.segments: list[tuple[list[Op], int]] = []      # (ops, grid) of each launch, for describe()
 
     def append(self, op: Op) -> None:
@@ -121,10 +121,11 @@ class Chain:
         smem = max(op.smem for op in ops)
         grid = resident_blocks(FAMILY, KERNEL, THREADS, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
-        at = len(self.segments) * (MAX_OPS + 1)
-        if at + MAX_OPS + 1 > self.done.numel():
+        at = self.used
+        if at + len(ops) + 1 > self.done.numel():
             raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
         done = self.done[at:at + len(ops) + 1]
+        self.used += len(ops) + 1
         launch(FAMILY, KERNEL, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
         self.segments.append((ops, grid))
 
