@@ -205,7 +205,7 @@ def decode_schedule(model: Model | TensorParallelModel) -> str:
     step, the first two launches and the last in full (the ones between repeat the second's layout)."""
     if not (isinstance(model, Model) and megakernel.enabled(model.device) and model.chainable()):
         return ("decode runs launch-per-op on this model: the megakernel needs one GPU of compute capability 9.0+, "
-                "EXL2 weights, a Llama-family block and EXL_MEGAKERNEL unset or 1")
+                "EXL2 weights, a Llama-family block, and EXL_MEGAKERNEL=1 (it is off by default)")
     cache = _cache(model, 2, 256, "fp16")
     batch = Batch.build([SeqChunk([1], 0, cache.pool.allocate(1))], 256, model.device)
     with megakernel.chaining(megakernel.counters(len(model.blocks) + 2, model.device)) as chain:

@@ -20,17 +20,17 @@
 //   CTA wrote is read), passed on to its warps through shared memory; the signal is a block barrier and one release
 //   add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
 //
-// NO GAPS IN THE WEIGHT STREAM. Weights depend on nothing, so a CTA asks for its blocks' weight spans of the NEXT
-//   matmul op (cp.async.bulk.prefetch.L2: one instruction per warp span) before it waits for the current one's
-//   input: DRAM keeps streaming through the staging, the waits and the split-K tails. The matmul's own L2 prefetches
-//   and loads then mostly hit L2.
+// WEIGHTS BEFORE THE WAIT. What reads only weights (each op's Params, copied to shared memory; in the blocks, their
+//   chunk metadata and first L2 prefetches) comes before the wait, as launch-per-op does before its dependent-launch
+//   wait. (Bulk L2 prefetches of the next matmul's whole weight spans before each wait were measured slower:
+//   docs/megakernel.md.)
 //
 // DEADLOCK FREEDOM. Every CTA must be resident at once: megakernel.py sizes the grid by the occupancy the driver
 //   reports for this kernel and shared memory. pdl_trigger comes first, so a kernel launched after this one with
 //   programmatic dependent launch starts only once every CTA of this grid runs. Ops only wait for earlier ops, and
 //   every CTA walks the ops in order, so some unfinished block can always run.
 //
-// sm_90+ only (the bulk L2 prefetch; megakernel.py uses launch-per-op elsewhere).
+// sm_90+ only (megakernel.py uses launch-per-op elsewhere).
 #include "qmm_rows.cuh"
 
 namespace mk {
@@ -63,7 +63,6 @@ struct Segment {
     Op op[MAX_OPS];
     int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
-    int prefetch;                // 0: no L2 prefetch of the next matmul's weights (EXL_MK_PREFETCH=0, to measure it)
 };
 
 __device__ __forceinline__ int load_acquire(const int* p)
@@ -78,41 +77,8 @@ __device__ __forceinline__ void release_add(int* p, int v)
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ void bulk_prefetch_l2(const void* p, unsigned bytes)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // The first virtual block of op that CTA c runs (blocks past op.blocks: none).
 __device__ __forceinline__ int first_block(const Op& op, int c, int G) { return ((c - op.first) % G + G) % G; }
-
-__device__ __forceinline__ bool is_matmul(const Op& op) { return op.kind != STAGE; }
-
-// Warp w's weight span of every block of op this CTA runs, into L2 (one bulk prefetch per span).
-__device__ void prefetch_weights(const Op& op, int c, int G)
-{
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane != 0) return;
-    const qmm::Params& p = *op.params;
-    for (int v = first_block(op, c, G); v < op.blocks; v += G) {
-        const qmm::Part& pt = p.part[qmm::part_of(p, v)];
-        const int local = v - pt.block0, split = local / pt.col_blocks;
-        const int strip = local % pt.col_blocks * qmm::WARPS + warp;
-        if (strip >= pt.strips) continue;
-        const int w0 = pt.split_word[split];
-        bulk_prefetch_l2(pt.qw + (size_t)strip * pt.words_per_strip + w0, 4u * (pt.split_word[split + 1] - w0));
-    }
-}
-
-// The next matmul op after op k (n_ops: none).
-__device__ __forceinline__ int next_matmul(const Segment& s, int k)
-{
-    for (int j = k + 1; j < s.n_ops; ++j)
-        if (is_matmul(s.op[j])) return j;
-    return s.n_ops;
-}
 
 // The wait of op k's blocks (qmm::PdlWait's place): the launch before, then op k - 1's blocks (counter null: op 0).
 // Called per warp (a block's warps may have returned already), but one lane of the CTA polls the counter in device
@@ -172,15 +138,9 @@ __device__ void decode_segment(const Segment& s)
     __shared__ qmm::Params params_s;
     __shared__ int poller_s, ready_s;               // CounterWait's
     const int c = blockIdx.x, G = gridDim.x;
-    const int first_mm = next_matmul(s, -1);
-    if (s.prefetch && first_mm < s.n_ops) prefetch_weights(s.op[first_mm], c, G);
     for (int k = 0; k < s.n_ops; ++k) {
         const Op& op = s.op[k];
         const int v0 = first_block(op, c, G);
-        if (s.prefetch && is_matmul(op)) {             // the next matmul's weights stream while this one runs
-            const int next = next_matmul(s, k);
-            if (next < s.n_ops) prefetch_weights(s.op[next], c, G);
-        }
         if (v0 >= op.blocks) continue;
         // before the wait: the Params, and in the blocks everything that reads only weights (their metadata, the
         // first L2 prefetches), as launch-per-op does before its dependent-launch wait

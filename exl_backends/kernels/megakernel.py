@@ -6,8 +6,7 @@ but appends them to the chain as two ops, and returns its (not yet written) outp
 before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
 becomes one launch of
 decode_segment_exl2, which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
-one before through a counter in device memory, and each CTA streaming its next matmul's weights into L2 before it
-waits. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
+one before through a counter in device memory. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
 block's norm + q/k/v) in one.
 
 The schedule (which CTA runs which block, and what it waits on) is plain arithmetic, `schedule()`, printed by
@@ -15,7 +14,8 @@ The schedule (which CTA runs which block, and what it waits on) is plain arithme
 CTA after the one that ran op k - 1's last block, so that CTAs that got fewer blocks of one op get the first of the
 next. G is every CTA that fits the GPU at once (the kernel spins on counters: all of them must be resident).
 
-`EXL_MEGAKERNEL=0` turns it off (launch-per-op everywhere)."""
+Off by default: measured on an H200 (2026-12-06) it is 5-10 % slower than launch-per-op (docs/megakernel.md);
+`EXL_MEGAKERNEL=1` turns it on, for the work that folds attention in and for comparing."""
 from __future__ import annotations
 
 import contextlib
@@ -34,14 +34,13 @@ FAMILY, KERNEL = "megakernel", "decode_segment_exl2"
 MAX_OPS = 12                    # megakernel.cu MAX_OPS
 THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
 STAGE, MATMUL = 0, 1            # megakernel.cu Kind
-MIN_CC = (9, 0)                 # the bulk L2 prefetch (cp.async.bulk.prefetch) is sm_90+
+MIN_CC = (9, 0)                 # dependent launch (the wait before an op's first read), Hopper's L2
 
 OP_DTYPE = np.dtype([(name, np.uint64) for name in
                      ("params", "x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
                     [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
                      ("first", np.int32), ("pad", np.int32)])
-SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32),
-                          ("prefetch", np.int32)])
+SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32), ("pad", np.int32)])
 
 
 @dataclass
@@ -58,7 +57,9 @@ class Op:
 
 
 def enabled(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "1") != "0"
+    """EXL_MEGAKERNEL=1 on a GPU of compute capability 9.0+ (off by default: launch-per-op is still faster,
+    docs/megakernel.md)."""
+    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "0") == "1"
             and compute_capability(device) >= MIN_CC)
 
 
@@ -112,9 +113,8 @@ class Chain:
 
     def flush(self) -> None:
         ops, self.ops = self.ops, []
-        most = int(os.environ.get("EXL_MK_MAX_OPS", MAX_OPS))
-        for start in range(0, len(ops), most):
-            self._launch(ops[start:start + most])
+        for start in range(0, len(ops), MAX_OPS):
+            self._launch(ops[start:start + MAX_OPS])
 
     def _launch(self, ops: list[Op]) -> None:
         device = ops[0].params.device
@@ -150,7 +150,6 @@ def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"] = op.eps, op.kind, op.blocks, \
             op.grid_x, first
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
-    s["prefetch"] = os.environ.get("EXL_MK_PREFETCH", "1") != "0"      # (off: to measure what the prefetch gives)
     return s
 
 
@@ -162,8 +161,7 @@ def describe(ops: list[Op], grid: int) -> str:
         span = f"CTAs {first}..{last}" if op.blocks <= grid else f"every CTA ({op.blocks / grid:.1f} blocks each)"
         wait = f"waits for op {k - 1} (done[{k - 1}] = {ops[k - 1].blocks})" if k else "waits for the launch before"
         what = "stage x" if op.kind == STAGE else "matmul"
-        lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then done[{k}] += 1 a block"
-                     + ("; CTAs prefetch their next matmul's weights into L2 first" if op.kind == MATMUL else ""))
+        lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then done[{k}] += 1 a block")
     return "\n".join(lines)
 
 

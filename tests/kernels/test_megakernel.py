@@ -55,8 +55,8 @@ HARNESS = r"""
 #include <cstdio>
 int main() {
     OFFSETS
-    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment, done), offsetof(mk::Segment, n_ops),
-           offsetof(mk::Segment, prefetch), sizeof(mk::Segment));
+    printf("%zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment, done), offsetof(mk::Segment, n_ops),
+           sizeof(mk::Segment));
 }
 """
 
@@ -72,7 +72,7 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path):
     assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
         mk.OP_DTYPE.itemsize, mk.SEGMENT_DTYPE.fields["done"][1], mk.SEGMENT_DTYPE.fields["n_ops"][1],
-        mk.SEGMENT_DTYPE.fields["prefetch"][1], mk.SEGMENT_DTYPE.itemsize]
+        mk.SEGMENT_DTYPE.itemsize]
 
 
 def test_chaining_without_counters_changes_nothing():
@@ -102,7 +102,8 @@ def decode_step(model: Model, cache_mode: str, prompt_len: int):
 @needs_fixtures()
 @pytest.mark.parametrize("cache_mode", ["fp16", "q8", "q6", "q4"])
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode):
+def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode, monkeypatch):
+    monkeypatch.setenv("EXL_MEGAKERNEL", "1")
     path = FIXTURES / "exl2" / name
     model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
     assert model.chainable()
@@ -137,8 +138,9 @@ def test_greedy_generation_is_unchanged_by_the_megakernel(monkeypatch):
 
 @on_gpu
 @needs_fixtures()
-def test_the_printed_schedule_is_the_captured_steps():
+def test_the_printed_schedule_is_the_captured_steps(monkeypatch):
     from exl_backends.bench import decode_schedule
+    monkeypatch.setenv("EXL_MEGAKERNEL", "1")
     path = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
     model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
     text = decode_schedule(model)
