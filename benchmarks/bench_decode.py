@@ -97,15 +97,17 @@ def main() -> None:
 
 
 def run_info() -> dict:
-    """What a result file says about its run: GPU, commit, date."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    """What a result file says about its run: GPU, commit (EXL_COMMIT where the tree has no up-to-date .git, as on
+    the device machine), date."""
+    commit = os.environ.get("EXL_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            commit = ""
     return dict(gpu=torch.cuda.get_device_name(), commit=commit or "unknown",
                 date=datetime.date.today().isoformat(), torch=torch.__version__)
-
 
 if __name__ == "__main__":
     main()
