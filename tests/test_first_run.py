@@ -2,7 +2,7 @@
 rows read from a .safetensors file (the quickstart's shipped rows), and `exl warmup` (parallel, interruptible)."""
 from __future__ import annotations
 
-import os
+import json
 import signal
 import subprocess
 import sys
@@ -105,6 +105,26 @@ def test_rows_file_missing_or_not_safetensors(tmp_path, tokenizer):
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ExlError, match="cannot read calibration rows"):
         calibration.from_source(str(tmp_path / "bad.safetensors"), tokenizer, 4, 1, 32, 2, 0)
+
+
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "head_dim": 64,
+                  "intermediate_size": 1536, "num_attention_heads": 9, "num_hidden_layers": 30,
+                  "num_key_value_heads": 3, "vocab_size": 49152, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                  "max_position_embeddings": 8192, "rope_theta": 100000.0}
+
+
+def test_quickstart_measurement_fits_its_model(tmp_path, monkeypatch):
+    """The shipped measurement, as the quickstart unpacks it, passes the converter's own check against SmolLM2's
+    shapes (every sub-layer, every candidate's bit count), so `--measurement` takes it."""
+    from exl_backends import quickstart
+    from exl_backends.config import ModelConfig
+    from exl_backends.convert.measure import check_measurement
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = quickstart.default_measurement()
+    assert path.parent == tmp_path / "exl-backends" and not list(path.parent.glob("*.partial"))
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    layers = check_measurement(json.loads(path.read_text()), ModelConfig.from_dir(tmp_path), str(path))
+    assert len(layers) == 62                                # 30 x (attention, MLP), final norm, head
 
 
 def test_quickstart_rows_cover_its_calibration():
