@@ -18,7 +18,7 @@ from exl_backends.convert import calibration
 from exl_backends.errors import ExlError
 from exl_backends.hf import load_tokenizer
 from exl_backends.kernels import warmup
-from exl_backends.linear import FusedLinear
+from exl_backends.linear import FusedLinear, QuantLinear, cpu_quantized, keep_dense_weights
 from exl_backends.quickstart import CALIBRATION, CALIBRATION_ROWS
 
 from conftest import save_tiny, tiny_config
@@ -61,6 +61,24 @@ def test_stacked_outputs_equal_each_layer_alone(exl2_qwen2):
         assert stacked.shape == ref.shape
         torch.testing.assert_close(stacked, ref, rtol=1e-6, atol=1e-6)
     assert isinstance(qkv, FusedLinear) and qkv._stacked[0].dtype == torch.float32
+
+
+def kept(unit) -> bool:
+    return (unit._dense if isinstance(unit, QuantLinear) else unit._stacked) is not None
+
+
+def test_dequantized_once_at_load_or_per_call_when_memory_is_short(exl2_qwen2, monkeypatch):
+    path, _ = exl2_qwen2
+    roomy = ExlForCausalLM.from_pretrained(path, device="cpu")
+    units = cpu_quantized(roomy.model.linears())
+    assert len(units) == 2 * 4 + 1     # per layer q/k/v, o, gate/up (layer 1: gate alone), down; lm_head
+    assert all(kept(u) for u in units)                      # dequantized at load
+    monkeypatch.setattr("exl_backends.model.available_memory", lambda: 1000)
+    short = ExlForCausalLM.from_pretrained(path, device="cpu")
+    ids = torch.randint(0, 509, (1, 17), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(short(ids).logits, roomy(ids).logits)
+    assert not any(kept(u) for u in cpu_quantized(short.model.linears()))   # none kept, even after a forward
+    assert keep_dense_weights(units, torch.float32, available=None)
 
 
 # ----------------------------------------------------------------------------------------------- calibration rows
