@@ -23,6 +23,7 @@ from torch import Tensor
 from .batch import Batch, SeqChunk
 from .cache import KVCache, bytes_per_token
 from .generator import copy_to_host
+from .linear import Linear, QuantLinear
 from .mlp import Mlp, MoeMlp
 from .model import Model
 from .parallel import TensorParallelModel
@@ -64,21 +65,30 @@ def _nbytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def mlp_bytes(mlp: Mlp | MoeMlp) -> int:
+def linear_bytes(linear: Linear | QuantLinear, dtype: torch.dtype) -> int:
+    """Bytes a linear reads per step: on CUDA its packed weight; a quantized one on the CPU computes from its
+    dequantized weight, in the model's dtype (4 bytes a weight in f32)."""
+    if isinstance(linear, QuantLinear) and linear.kernel is None:
+        return linear.dense_nbytes(dtype) + _nbytes(linear.bias)
+    return linear.nbytes()
+
+
+def mlp_bytes(mlp: Mlp | MoeMlp, dtype: torch.dtype) -> int:
     """Bytes an MLP reads for one token: a routed one its router and top_k experts (of their mean size)."""
     if isinstance(mlp, MoeMlp):
-        experts = [mlp_bytes(e) for e in mlp.experts]
-        return mlp.router.nbytes() + mlp.top_k * sum(experts) // len(experts)
-    return sum(x.nbytes() for x in (mlp.gate, mlp.up, mlp.down))
+        experts = [mlp_bytes(e, dtype) for e in mlp.experts]
+        return linear_bytes(mlp.router, dtype) + mlp.top_k * sum(experts) // len(experts)
+    return sum(linear_bytes(x, dtype) for x in (mlp.gate, mlp.up, mlp.down))
 
 
 def weight_bytes(model: Model) -> int:
     """Bytes one decode step at batch 1 reads from a Model's weights (under tensor parallelism pass its shard):
     every linear and norm once (an MoE layer: see mlp_bytes), the embedding one row."""
-    total = model.lm_head.nbytes() + _nbytes(model.norm)
+    dtype = model.dtype
+    total = linear_bytes(model.lm_head, dtype) + _nbytes(model.norm)
     for b in model.blocks:
         a = b.attention
-        total += sum(x.nbytes() for x in (a.q, a.k, a.v, a.o)) + mlp_bytes(b.mlp)
+        total += sum(linear_bytes(x, dtype) for x in (a.q, a.k, a.v, a.o)) + mlp_bytes(b.mlp, dtype)
         total += sum(_nbytes(t) for t in (b.input_norm, b.post_attn_norm, b.attn_out_norm, b.mlp_out_norm,
                                           a.q_norm, a.k_norm))
     return total
