@@ -117,19 +117,19 @@ def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int
     from . import ExlForCausalLM, Generator, SamplingParams
     clock.lap("imports")
     on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
-    if on_gpu:                      # NVRTC compiles the kernels while the model is imported and converted
+    if on_gpu:                      # NVRTC compiles the kernels while the GGUF file is read (CPU work)
         from .kernels.warmup import in_background
         kernels_ready = in_background(device=device)
     cached = (cache_dir() / f"{DEFAULT_NAME}-exl2-{QUICKSTART_BPW}bpw" / "config.json").is_file()
     if not cached:
         default_model_dir()
         clock.lap("GGUF import")
+    if on_gpu:                      # before converting: the converter captures CUDA graphs, kept free of loads
+        kernels_ready()
+        clock.lap("kernels (the rest of their compile)")
     model_dir = default_exl2_dir(device)
     if not cached:
         clock.lap("convert")
-    if on_gpu:
-        kernels_ready()
-        clock.lap("kernels (compiled while converting)")
     model = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=2048)
     clock.lap("load")
     print(f"model: {model_dir} on {model.device}\nuser: {question}\nassistant: ", end="", flush=True)

@@ -63,8 +63,10 @@ def warmup(model_dir: str | Path | None = None, device: torch.device | str | Non
 
 
 def in_background(model_dir: str | Path | None = None, device: torch.device | str | None = None):
-    """Starts warmup() in a daemon thread, to overlap other work (a conversion, reading the weights); returns a
-    function that waits for it and returns its timings (or raises its error)."""
+    """Starts warmup() in a daemon thread, to overlap CPU work (the quickstart's GGUF import); returns a function
+    that waits for it and returns its timings (or raises its error). Wait before capturing CUDA graphs (the
+    converter's GPTQ steps, the decode graphs): loading a module during another thread's capture is not known to
+    be safe."""
     outcome: dict = {}
 
     def run() -> None:
