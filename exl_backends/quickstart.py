@@ -101,11 +101,10 @@ class Clock:
         self.phases: list[tuple[str, float]] = []
         self.last = time.perf_counter()
 
-    def lap(self, phase: str) -> float:
+    def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        self.phases.append((phase, seconds))
-        return seconds
+        self.phases.append((phase, now - self.last))
+        self.last = now
 
     def line(self) -> str:
         return " | ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases)
@@ -143,8 +142,9 @@ def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int
         if decode_start is None:
             clock.lap("first token")
             decode_start, first_tokens = time.perf_counter(), n_tokens
-    elapsed = time.perf_counter() - decode_start
-    rate = (n_tokens - first_tokens) / elapsed if elapsed > 0 else float("nan")
-    print(f"\n[{n_tokens} tokens, then {rate:.1f} tokens/s on {model.device}]")
+    print()
+    if decode_start is not None and n_tokens > first_tokens:
+        rate = (n_tokens - first_tokens) / (time.perf_counter() - decode_start)
+        print(f"[{n_tokens} tokens, then {rate:.1f} tokens/s on {model.device}]")
     print(f"[time: {clock.line()}]")
     return text
