@@ -8,6 +8,12 @@ ranks hold the same share). A mixture-of-experts layer at batch 1 reads its rout
 token is routed to, not every expert."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -18,6 +24,7 @@ from .batch import Batch, SeqChunk
 from .cache import KVCache, bytes_per_token
 from .generator import copy_to_host
 from .kernels import megakernel
+from .linear import Linear, QuantLinear
 from .mlp import Mlp, MoeMlp
 from .model import Model
 from .parallel import TensorParallelModel
@@ -59,21 +66,30 @@ def _nbytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def mlp_bytes(mlp: Mlp | MoeMlp) -> int:
+def linear_bytes(linear: Linear | QuantLinear, dtype: torch.dtype) -> int:
+    """Bytes a linear reads per step: on CUDA its packed weight; a quantized one on the CPU computes from its
+    dequantized weight, in the model's dtype (4 bytes a weight in f32)."""
+    if isinstance(linear, QuantLinear) and linear.kernel is None:
+        return linear.dense_nbytes(dtype) + _nbytes(linear.bias)
+    return linear.nbytes()
+
+
+def mlp_bytes(mlp: Mlp | MoeMlp, dtype: torch.dtype) -> int:
     """Bytes an MLP reads for one token: a routed one its router and top_k experts (of their mean size)."""
     if isinstance(mlp, MoeMlp):
-        experts = [mlp_bytes(e) for e in mlp.experts]
-        return mlp.router.nbytes() + mlp.top_k * sum(experts) // len(experts)
-    return sum(x.nbytes() for x in (mlp.gate, mlp.up, mlp.down))
+        experts = [mlp_bytes(e, dtype) for e in mlp.experts]
+        return linear_bytes(mlp.router, dtype) + mlp.top_k * sum(experts) // len(experts)
+    return sum(linear_bytes(x, dtype) for x in (mlp.gate, mlp.up, mlp.down))
 
 
 def weight_bytes(model: Model) -> int:
     """Bytes one decode step at batch 1 reads from a Model's weights (under tensor parallelism pass its shard):
     every linear and norm once (an MoE layer: see mlp_bytes), the embedding one row."""
-    total = model.lm_head.nbytes() + _nbytes(model.norm)
+    dtype = model.dtype
+    total = linear_bytes(model.lm_head, dtype) + _nbytes(model.norm)
     for b in model.blocks:
         a = b.attention
-        total += sum(x.nbytes() for x in (a.q, a.k, a.v, a.o)) + mlp_bytes(b.mlp)
+        total += sum(linear_bytes(x, dtype) for x in (a.q, a.k, a.v, a.o)) + mlp_bytes(b.mlp, dtype)
         total += sum(_nbytes(t) for t in (b.input_norm, b.post_attn_norm, b.attn_out_norm, b.mlp_out_norm,
                                           a.q_norm, a.k_norm))
     return total
@@ -198,6 +214,52 @@ def report(model: Model | TensorParallelModel, contexts: list[int], cache_mode: 
         lines.append(f"{f'decode ctx {ctx} ({cache_mode})':28} {r['tok_s']:10.1f} {bound:10.1f} "
                      f"{100 * r['tok_s'] / bound:10.1f}%")
     return "\n".join(lines)
+
+
+_LOAD_PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from exl_backends import ExlForCausalLM
+t1 = time.perf_counter()
+model = ExlForCausalLM.from_pretrained(sys.argv[1], device=sys.argv[2], max_seq_len=2048)
+t2 = time.perf_counter()
+model.generate(torch.tensor([[1, 2, 3, 4]], device=model.device), max_new_tokens=1, do_sample=False)
+if model.device.type == "cuda":
+    torch.cuda.synchronize()
+t3 = time.perf_counter()
+print(json.dumps({"imports": t1 - t0, "from_pretrained": t2 - t1, "first_token": t3 - t2}))
+"""
+
+
+def load_time(model_dir: str, device: str, kernel_cache: str | None = None) -> dict[str, float]:
+    """Seconds of a fresh process: imports, from_pretrained, then the first token of a 4-token prompt (on CUDA
+    this compiles any kernel the cache lacks). kernel_cache: CuPy's cache directory for the run (an empty one
+    gives the cold figure); None: the user's."""
+    env = dict(os.environ)
+    if kernel_cache is not None:
+        env["CUPY_CACHE_DIR"] = kernel_cache
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(model_dir), device], env=env, capture_output=True,
+                         text=True)
+    if out.returncode:
+        raise RuntimeError(f"the load-time probe failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def load_report(model_dir: str, device: torch.device) -> list[str]:
+    """`exl bench`'s load lines: from_pretrained to the first token in a fresh process, warm (the kernel cache as
+    it is, the weights in the page cache after the first run) and, on CUDA, cold (an empty kernel cache)."""
+    runs = [("warm", None)]
+    if device.type == "cuda":
+        runs.insert(0, ("cold kernel cache", tempfile.mkdtemp(prefix="exl-bench-kernels-")))
+    lines = []
+    for name, cache in runs:
+        t = load_time(model_dir, device.type, cache)
+        lines.append(f"load, {name}: from_pretrained {t['from_pretrained']:.2f} s + first token {t['first_token']:.2f} s"
+                     f" = {t['from_pretrained'] + t['first_token']:.2f} s (imports before it {t['imports']:.2f} s)")
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+    return lines
 
 
 def decode_schedule(model: Model | TensorParallelModel) -> str:

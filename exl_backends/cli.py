@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -89,13 +90,24 @@ def _cmd_chat(args) -> None:
 
 
 def _cmd_bench(args) -> None:
-    from .bench import decode_schedule, report
+    from .bench import decode_schedule, load_report, report
     model = _load(args)
     if args.schedule:
         print(decode_schedule(model.model))
         return
+    if not (args.gpu_split or args.tensor_parallel):      # one device: a fresh process loads it the same way
+        print("\n".join(load_report(args.model, model.device)), flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]
     print(report(model.model, contexts, args.cache_mode, [int(n) for n in args.prefill.split(",")]))
+
+
+def _cmd_warmup(args) -> None:
+    from .kernels.warmup import warmup
+    start = time.perf_counter()
+    seconds = warmup(args.model)
+    print(", ".join(f"{family} {s:.1f} s" for family, s in seconds.items()))
+    print(f"kernels ready in {time.perf_counter() - start:.1f} s (CuPy's disk cache keeps them; rerun to finish an "
+          f"interrupted warm-up)")
 
 
 def _cmd_info(args) -> None:
@@ -253,6 +265,14 @@ def parser() -> argparse.ArgumentParser:
                         "waits for) instead of timing")
     p.set_defaults(func=_cmd_bench)
 
+    p = sub.add_parser("warmup", help="compile the GPU kernels ahead of the first run, in parallel",
+                       description="Compiles the CUDA kernel families a model launches (every family without -m), "
+                                   "all at once, into CuPy's disk cache (~/.cupy/kernel_cache, or $CUPY_CACHE_DIR), "
+                                   "so that loading and the first token do not wait for NVRTC. Safe to interrupt "
+                                   "and run again.")
+    p.add_argument("-m", "--model", default=None, help="model directory (compiles only what it needs)")
+    p.set_defaults(func=_cmd_warmup)
+
     p = sub.add_parser("info", help="format, size, bits per layer and the memory plan of a model directory",
                        description="Reads only headers: prints format, architecture, parameters, bits per weight "
                                    "by layer, file size, and weights + KV cache + scratch for the context, with the "
@@ -279,8 +299,9 @@ def parser() -> argparse.ArgumentParser:
                         "GPTQ: 4 or 8")
     p.add_argument("--head-bits", type=int, default=6, choices=[2, 3, 4, 5, 6, 8], help="lm_head bits (EXL2)")
     p.add_argument("-c", "--calibration", default=None,
-                   help=".txt, .jsonl or .parquet file, or a Hugging Face dataset NAME[:CONFIG[:SPLIT]] "
-                        "(needs `datasets` and network); default: text sampled from the model itself")
+                   help=".txt, .jsonl or .parquet file, an earlier job's calibration.safetensors (its token rows "
+                        "reused), or a Hugging Face dataset NAME[:CONFIG[:SPLIT]] (needs `datasets` and network); "
+                        "default: text sampled from the model itself")
     p.add_argument("--rows", type=int, default=None, help="calibration rows of the quantization pass")
     p.add_argument("--length", type=int, default=None, help="tokens per calibration row")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
@@ -336,6 +357,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads its OpenMP runtime (it reads this once): idle OpenMP threads sleep instead of spinning. On a
+    # CPU shared with other work, spinning threads fight for the cores: on 2 cores beside 4 other jobs, CPU decode of
+    # SmolLM2-135M ran at 0.4 tokens/s with 2 spinning threads, 6.9 with PASSIVE (2026-12-06). What it costs a CPU
+    # nobody shares is a thread's wake-up, microseconds per parallel op.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parser().parse_args(argv)
     try:
         args.func(args)

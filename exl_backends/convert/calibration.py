@@ -3,6 +3,8 @@ measurement), plus held-out rows for the quality receipt.
 
 From a file (.txt, .jsonl, .parquet) or a Hugging Face dataset name, the text is tokenized and cut into
 consecutive chunks; a seeded shuffle picks the calibration chunks and, disjoint from them, the held-out ones.
+A .safetensors file gives token rows as they are (an earlier job's calibration.safetensors: 'quant' and 'eval'),
+so that a conversion can reuse sampled rows without sampling again.
 With no source, rows are sampled from the fp16 model itself (the first token of each row drawn at random,
 then plain sampling at temperature 1), so conversion works offline."""
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..errors import ExlError
 from ..model import Model
 from ..ops import REFERENCE_OPS
 
-FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+FILE_SUFFIXES = (".txt", ".jsonl", ".parquet", ".safetensors")
 MAX_TEXT_CHARS = 64 * 1024 * 1024      # a larger file is read up to here; that is far more than any row count needs
 SAMPLE_PAGE = 256
 DEFAULT_DATASET = "(default)"
@@ -43,6 +45,8 @@ class Calibration:
 def from_source(source: str, tokenizer, rows: int, measure_rows: int, length: int, eval_rows: int,
                 seed: int) -> Calibration:
     path = Path(source)
+    if path.suffix == ".safetensors":
+        return from_rows(path, tokenizer, rows, measure_rows, length, eval_rows)
     if path.suffix in FILE_SUFFIXES or path.exists():
         text, dataset = read_text(path), path.name
     else:
@@ -59,6 +63,34 @@ def from_source(source: str, tokenizer, rows: int, measure_rows: int, length: in
     held_out = chunks[order[rows: rows + eval_rows]]
     return Calibration(quant, quant[:measure_rows], held_out, dataset,
                        f"{source}: {rows} of its {n_chunks} chunks of {length} tokens (seeded shuffle)")
+
+
+def from_rows(path: Path, tokenizer, rows: int, measure_rows: int, length: int, eval_rows: int) -> Calibration:
+    """Token rows saved earlier: 'quant' [R, L] and 'eval' [E, L] (int64, or uint16 to halve the file). The first
+    `rows` quantization rows and up to `eval_rows` held-out rows are used, each cut to `length` tokens."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not path.is_file():
+        raise ExlError(f"calibration file {path} not found")
+    try:
+        saved = load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise ExlError(f"cannot read calibration rows from {path}: {e}") from None
+    quant, held_out = saved.get("quant"), saved.get("eval")
+    if quant is None or held_out is None or quant.dim() != 2 or held_out.dim() != 2:
+        raise ExlError(f"{path} holds no calibration rows: it needs 2-d token tensors 'quant' and 'eval' (as a "
+                       f"conversion job's calibration.safetensors has)")
+    if quant.shape[0] < rows or quant.shape[1] < length or held_out.shape[0] < 1 or held_out.shape[1] < length:
+        raise ExlError(f"{path} has {quant.shape[0]} rows of {quant.shape[1]} tokens and {held_out.shape[0]} "
+                       f"held-out rows of {held_out.shape[1]}; this conversion needs {rows} rows of {length} and at "
+                       f"least one held-out row: lower --rows / --length")
+    quant, held_out = quant[:rows, :length].long(), held_out[:eval_rows, :length].long()
+    vocab = len(tokenizer)
+    if int(max(quant.max(), held_out.max())) >= vocab or int(min(quant.min(), held_out.min())) < 0:
+        raise ExlError(f"{path} holds token ids outside this model's vocabulary (0..{vocab - 1}): the rows were "
+                       f"made with another tokenizer")
+    return Calibration(quant, quant[:measure_rows], held_out, path.name,
+                       f"{path.name}: {rows} saved rows of {length} tokens, {held_out.shape[0]} held out")
 
 
 def read_text(path: Path) -> str:
