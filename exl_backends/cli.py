@@ -102,7 +102,7 @@ def _cmd_bench(args) -> None:
 
 
 def _cmd_warmup(args) -> None:
-    from .kernels.warmup import warmup
+    from .warmup import warmup
     start = time.perf_counter()
     seconds = warmup(args.model)
     print(", ".join(f"{family} {s:.1f} s" for family, s in seconds.items()))

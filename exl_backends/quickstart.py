@@ -117,7 +117,7 @@ def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int
     clock.lap("imports")
     on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
     if on_gpu:                      # NVRTC compiles the kernels while the GGUF file is read (CPU work)
-        from .kernels.warmup import in_background
+        from .warmup import in_background
         kernels_ready = in_background(device=device)
     cached = (cache_dir() / f"{DEFAULT_NAME}-exl2-{QUICKSTART_BPW}bpw" / "config.json").is_file()
     if not cached:

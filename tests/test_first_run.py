@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exl_backends import ExlForCausalLM
+from exl_backends import ExlForCausalLM, warmup
 from exl_backends.convert import calibration
 from exl_backends.errors import ExlError
 from exl_backends.hf import load_tokenizer
-from exl_backends.kernels import warmup
+from exl_backends.kernels import loader
 from exl_backends.linear import FusedLinear, QuantLinear, cpu_quantized, keep_dense_weights
 from exl_backends.quickstart import CALIBRATION, CALIBRATION_ROWS
 
@@ -186,9 +186,14 @@ def test_warmup_raises_a_family_error(fake_gpu):
 
 
 def test_warmup_families_follow_the_format(exl2_qwen2, tiny_llama):
-    assert "quant_matmul" in warmup.families_for(exl2_qwen2[0])
-    assert "quant_matmul" not in warmup.families_for(tiny_llama[0])
+    assert "matmul_rows" in warmup.families_for(exl2_qwen2[0])
+    assert "matmul_rows" not in warmup.families_for(tiny_llama[0])
     assert set(warmup.families_for(tiny_llama[0])) < set(warmup.families_for(None))
+
+
+def test_warmup_families_are_the_kernel_sources():
+    """Each family warm-up compiles is a kernels/<family>.cu (a renamed family must not be compiled in vain)."""
+    assert all((loader.KERNEL_DIR / f"{family}.cu").is_file() for family in warmup.families_for(None))
 
 
 def test_warmup_without_a_gpu_says_so():
