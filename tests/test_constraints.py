@@ -17,9 +17,8 @@ from exl_backends.constraints import Constraint, GrammarTokenizer
 from exl_backends.errors import SamplingError
 from exl_backends.sampling import SamplerState, SamplingParams, sample
 
-from conftest import TOKENIZER_DIR, needs_fixtures
+from conftest import TOKENIZER_DIR
 
-pytestmark = needs_fixtures()
 VOCAB = 512
 EOS = 510
 

@@ -16,10 +16,7 @@ import torch
 from exl_backends import ExlForCausalLM
 from exl_backends.cli import main as exl
 
-from conftest import FIXTURES, SHARED, needs_fixtures
-
-WIKITEXT = SHARED / "data" / "wikitext-2"
-pytestmark = [needs_fixtures(), pytest.mark.skipif(not WIKITEXT.is_dir(), reason=f"{WIKITEXT} not present")]
+from conftest import FIXTURES, WIKITEXT
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +24,7 @@ def scored(tmp_path_factory):
     """log-softmax of the fp16 model on 16 x 256 test tokens, and a scorer for a quantized directory."""
     src = FIXTURES / "hf" / "llama_tiny"
     ref = ExlForCausalLM.from_pretrained(src, device="cpu")
-    ids = ref.tokenizer((WIKITEXT / "test.txt").read_text()[:200_000], return_tensors="pt").input_ids[0]
+    ids = ref.tokenizer((WIKITEXT / "test-excerpt.txt").read_text(), return_tensors="pt").input_ids[0]
     x = ids[:16 * 256].view(16, 256)
 
     def log_probs(model):
@@ -47,7 +44,7 @@ def test_our_conversion_scores_at_least_as_well_as_exllamav2s(scored, bits, head
     out, measurement = root / f"{bits}", root / "4.0" / "measurement.json"
     reuse = ["--measurement", str(measurement)] if measurement.is_file() else []   # 4.0 runs first and measures
     assert exl(["convert", "-i", str(src), "-o", str(out), "-b", bits, "--head-bits", head_bits, "--device", "cpu",
-                "-c", str(WIKITEXT / "valid.txt"), *reuse]) == 0
+                "-c", str(WIKITEXT / "valid-excerpt.txt"), *reuse]) == 0
     theirs = score(FIXTURES / "exl2" / f"llama_tiny_exl2_{bits}bpw_h{head_bits}")
     ours = score(out)
     assert ours[0] <= theirs[0] and ours[1] >= theirs[1], f"KL / top-1: ours {ours}, ExLlamaV2 {theirs}"

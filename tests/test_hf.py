@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, L
 from exl_backends import ExlForCausalLM
 from exl_backends.config import ModelConfig
 
-from conftest import FIXTURES, REPO, needs_fixtures, save_tiny, tiny_config
+from conftest import FIXTURES, REPO, save_tiny, tiny_config
 
 PAD = 511
 EXL2_DIR = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
@@ -171,7 +171,6 @@ def test_pipeline_text_generation_equals_transformers(fp16_tiny):
 # ---- the quantizer plugin --------------------------------------------------------------------------------------
 
 
-@needs_fixtures()
 def test_auto_model_loads_exl2_onto_our_layers():
     import exl_backends  # noqa: F401  (registers the plugin; already imported here, as it is in any user's code)
     from exl_backends.hf_quantizer import Exl2Config, Exl2Linear
@@ -192,7 +191,6 @@ def run_python(code: str) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
 
 
-@needs_fixtures()
 def test_without_the_import_transformers_refuses_exl2_loudly():
     """What a user sees without `import exl_backends`: a warning naming exl2, then an error (ExLlamaV2 names its
     file output.safetensors) - never a silently random model."""

@@ -18,12 +18,11 @@ from exl_backends.errors import OutOfMemoryPlanError
 from exl_backends.linear import Linear
 from exl_backends.model import Model
 
-from conftest import FIXTURES, needs_fixtures, save_tiny, tiny_config
+from conftest import FIXTURES, save_tiny, tiny_config
 from quant_helpers import quantize_dir
 
 MIB = 2**20
-EXL2_FIXTURES = sorted((FIXTURES / "exl2").glob("*")) if (FIXTURES / "exl2").is_dir() else []
-needs_fixtures = pytest.mark.skipif(not EXL2_FIXTURES, reason=f"no reference fixtures in {FIXTURES}")
+EXL2_FIXTURES = sorted((FIXTURES / "exl2").glob("*"))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def loaded_bytes(m: Model) -> int:
 
 
 def all_dirs(dirs):
-    gptq = [p for p in (FIXTURES / "gptq").glob("*") if p.is_dir()] if (FIXTURES / "gptq").is_dir() else []
+    gptq = [p for p in (FIXTURES / "gptq").glob("*") if p.is_dir()]
     return list(dirs.values()) + EXL2_FIXTURES + gptq
 
 
@@ -168,7 +167,6 @@ def _source_shapes(d):
         return [f.get_slice(n).get_shape() for n in f.keys()]
 
 
-@needs_fixtures
 @pytest.mark.parametrize("variant", [d.name for d in EXL2_FIXTURES])
 def test_bits_per_linear_equal_exllamav2s_convert_log(variant):
     """convert.log lists `-- Linear: <key> -> <mix>, 3.66 bpw` for every linear the converter wrote."""
@@ -204,7 +202,6 @@ def test_exl_info_command(dirs, tmp_path, capsys):
     assert cli.main(["info", str(tmp_path / "missing")]) == 1
 
 
-@needs_fixtures()
 def test_exl_info_names_the_converter(tmp_path, capsys):
     """ExLlamaV2's version field is a bare number, ours names the tool."""
     import json
