@@ -3,6 +3,7 @@ pipeline, HF-facing attributes) and the "exl2" quantizer plugin for stock AutoMo
 transformers itself on the same weights."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -178,6 +179,36 @@ def test_auto_model_loads_exl2_onto_our_layers():
     assert hf.is_quantized and isinstance(hf.config.quantization_config, Exl2Config)
     assert isinstance(hf.model.layers[0].mlp.down_proj, Exl2Linear) and isinstance(hf.lm_head, Exl2Linear)
     ours = ExlForCausalLM.from_pretrained(EXL2_DIR, device="cpu")
+    ids = torch.tensor([[509, 84, 104, 101, 32, 116, 101, 97, 99, 104, 101, 114, 300, 200]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (ours(ids).logits - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    with torch.no_grad():
+        assert torch.equal(hf.generate(ids, max_new_tokens=12, do_sample=False), ours.generate(ids, max_new_tokens=12))
+
+
+@pytest.fixture(scope="module")
+def tied_exl2(tmp_path_factory):
+    """A tiny Llama with tie_word_embeddings: true (as SmolLM2, the default model), converted to EXL2 4.0 bpw by our
+    converter, which quantizes the head on its own (6 bits) and keeps the config's tie flag."""
+    from exl_backends.convert.pipeline import convert
+    from test_convert import calibration_text, options
+    base = tmp_path_factory.mktemp("tied")
+    save_tiny(base / "fp16", tiny_config("llama", tie_word_embeddings=True), seed=5, dtype=torch.float16)
+    return convert(options(base / "fp16", base / "q", 4.0, calibration_text(base / "cal.txt"), rows=2, length=32))
+
+
+def test_auto_model_loads_a_tied_quantized_head_and_equals_ours(tied_exl2):
+    """transformers marks the tied head's `weight` when it builds the model, before our layers replace it: loading
+    once failed with "Exl2Linear has no attribute `weight`". The head stays the checkpoint's quantized tensor."""
+    import exl_backends  # noqa: F401
+    from exl_backends.hf_quantizer import Exl2Linear
+    from exl_backends.tensors import read_header
+    assert json.loads((tied_exl2 / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.q_weight" in read_header(tied_exl2 / "output.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(tied_exl2, dtype=torch.float32)
+    assert isinstance(hf.lm_head, Exl2Linear) and not hf.all_tied_weights_keys
+    ours = ExlForCausalLM.from_pretrained(tied_exl2, device="cpu")
     ids = torch.tensor([[509, 84, 104, 101, 32, 116, 101, 97, 99, 104, 101, 114, 300, 200]])
     with torch.no_grad():
         ref = hf(ids).logits
