@@ -139,6 +139,7 @@ def test_refusal_carries_the_numbers_and_ways_out(dirs):
 
 def test_from_pretrained_on_cuda_refuses_before_allocating(dirs, monkeypatch):
     """The plan is checked against free memory first: nothing is loaded (here there is not even a GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(planner, "free_memory", lambda device: 300 * MIB)
     monkeypatch.setattr(Model, "load", classmethod(lambda *a, **k: pytest.fail("loaded before the check")))
     with pytest.raises(OutOfMemoryPlanError, match="does not fit on cuda.*max_seq_len="):
