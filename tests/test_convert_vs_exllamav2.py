@@ -1,11 +1,14 @@
 """Our converter against ExLlamaV2's own, on the fixtures' source model: the fixture's EXL2 checkpoints were made by
 ExLlamaV2 0.3.2's converter from hf/llama_tiny (its built-in calibration text, 115 x 2048 tokens); we convert the
-same model to the same targets (wikitext-2 valid.txt, our CPU defaults of 32 x 512 tokens) and score both with our
-runtime (bit-exact on EXL2, f32 on the CPU) against the fp16 model on wikitext-2 test.txt windows.
+same model to the same targets (calibration: tests/fixtures/wikitext-2/valid-excerpt.txt, our CPU defaults of
+32 x 512 tokens) and score both with our runtime (bit-exact on EXL2, f32 on the CPU) against the fp16 model on
+16 x 256 tokens of test-excerpt.txt.
 
-Measured (2026-11-30), KL(fp16 || quantized) / top-1 agreement over 16 x 256 tokens:
-  2.5 bpw: ExLlamaV2 1.627 / 0.257, ours 1.296 / 0.320;  4.0: 0.275 / 0.623, ours 0.206 / 0.663;
-  6.0 (head 8): 0.0143 / 0.903, ours 0.0133 / 0.909.   (qwen2_tiny 4.0: 0.252 vs ours 0.198.)
+Measured (2026-12-06, the excerpts), KL(fp16 || quantized) / top-1 agreement:
+  2.5 bpw: ExLlamaV2 1.627 / 0.257, ours 1.315 / 0.310;  4.0: 0.275 / 0.623, ours 0.225 / 0.661;
+  6.0 (head 8): 0.0143 / 0.903, ours 0.0138 / 0.913.
+With the whole valid.txt (2026-11-30) ours were 1.296 / 0.320, 0.206 / 0.663, 0.0133 / 0.909 (qwen2_tiny 4.0:
+ExLlamaV2 0.252, ours 0.198).
 The calibration texts differ (ExLlamaV2's built-in mix vs wikitext valid, which is nearer the test text); with our
 built-in default (text sampled from this random model) ours scores 0.577 at 4.0, worse than ExLlamaV2's 0.275."""
 from __future__ import annotations
