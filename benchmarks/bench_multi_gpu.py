@@ -31,7 +31,7 @@ from exl_backends import ExlForCausalLM  # noqa: E402
 from exl_backends.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
 from exl_backends.formats.exl2_writer import linear_tensors, shard_names  # noqa: E402
 
-FIXTURES = Path(os.environ.get("EXL_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "exl2-ref"))
+FIXTURES = Path(os.environ.get("EXL_FIXTURES", Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "exl2-ref"))
 TOKENIZER = FIXTURES / "hf" / "llama_tiny"
 
 

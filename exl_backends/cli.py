@@ -124,6 +124,13 @@ def _cmd_import_gguf(args) -> None:
 
 def _cmd_serve(args) -> None:
     from pathlib import Path
+    import importlib
+    for module in ("fastapi", "sse_starlette", "uvicorn"):     # the `server` extra, before a model loads
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            raise ExlError(f"`exl serve` needs the server extra (no module named {e.name!r}): "
+                           f"pip install 'exl-backends[server]'") from None
 
     from .server.serve import ServeOptions, serve
     serve(ServeOptions(Path(args.model), host=args.host, port=args.port, max_seq_len=args.max_seq_len,

@@ -97,7 +97,7 @@ class Exl2HfQuantizer(HfQuantizer):
         infos: dict[str, TensorInfo] = {}
         for file in checkpoint_files or ():
             infos.update(read_header(Path(file)))
-        n_replaced = 0
+        replaced: set[str] = set()
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and f"{name}.q_weight" in infos:
                 parts = {t: infos[f"{name}.{t}"] for t in EXL2_TENSORS + ("bias",) if f"{name}.{t}" in infos}
@@ -107,12 +107,17 @@ class Exl2HfQuantizer(HfQuantizer):
                                           f"{', '.join(missing)}; the EXL2 checkpoint is incomplete, re-convert it")
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, Exl2Linear(module.in_features, module.out_features, parts))
-                n_replaced += 1
-        if not n_replaced:
+                replaced.add(f"{name}.weight")
+        if not replaced:
             raise CheckpointError(f"{[str(f) for f in checkpoint_files or ()]}: config.json says quant_method "
                                   f"'exl2' but no layer has EXL2 tensors (<layer>.q_weight)")
         if isinstance(model.get_output_embeddings(), Exl2Linear):
             model.config.tie_word_embeddings = False     # the head is its own quantized tensor, not the embedding
+        # transformers computed which weights to tie when it built the model (config.tie_word_embeddings: true for
+        # SmolLM2 and most small models), before our layers replaced them: an Exl2Linear has no `weight` to tie
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        model.all_tied_weights_keys = {target: source for target, source in tied.items()
+                                       if target not in replaced and source not in replaced}
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

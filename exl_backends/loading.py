@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, DeviceError
 
 
 def default_device() -> torch.device:
@@ -40,6 +40,11 @@ def hf_loading_arguments(device, dtype, hf_kwargs: dict) -> tuple[torch.device, 
             device_map = device_map[""]
         device = None if device_map == "auto" else (f"cuda:{device_map}" if isinstance(device_map, int) else device_map)
     device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is a CPU-only build: install one built for CUDA"
+               if torch.version.cuda is None else "torch sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+        raise DeviceError(f"device {device} was asked for, but {why}; or run on the CPU (device='cpu', "
+                          f"--device cpu)")
     return device, dtype
 
 

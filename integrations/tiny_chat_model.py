@@ -13,16 +13,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("EXL_FIXTURES", REPO.parent / "shared" / "fixtures" / "exl2-ref"))
+FIXTURES = Path(os.environ.get("EXL_FIXTURES", REPO / "tests" / "fixtures" / "exl2-ref"))
 TOKENIZER_DIR = FIXTURES / "hf" / "llama_tiny"
 CHAT_TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}<|end_of_text|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|begin_of_text|>assistant\n{% endif %}")
 BOOSTED = ['"', "a", "e", "t", "\u0120", "s"]        # \u0120: the byte-level space
-needs_fixtures = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason=f"{TOKENIZER_DIR} not present")
 
 
 @functools.cache

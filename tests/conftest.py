@@ -8,11 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from exl2_ref import materialize
+
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-# ../shared does not travel to the GPU machine: scripts/stage-fixtures copies the fixtures, EXL_FIXTURES names them
-FIXTURES = Path(os.environ.get("EXL_FIXTURES", SHARED / "fixtures" / "exl2-ref"))
+# ExLlamaV2-made reference checkpoints and logits (tests/fixtures/exl2-ref/README.md); EXL_FIXTURES may name another
+# copy in the same layout (the original, untrimmed set, or one with further variants)
+FIXTURES = Path(os.environ.get("EXL_FIXTURES", REPO / "tests" / "fixtures" / "exl2-ref"))
 TOKENIZER_DIR = FIXTURES / "hf" / "llama_tiny"     # byte-level BPE, vocab 512, no automatic BOS
+WIKITEXT = REPO / "tests" / "fixtures" / "wikitext-2"   # excerpts of the valid and test splits (its README.md)
+materialize(FIXTURES)                                # the seeded weight files the fixtures do not store
 
 
 def needs_fixtures():

@@ -17,9 +17,8 @@ from exl_backends.constraints import Constraint, GrammarTokenizer
 from exl_backends.errors import SamplingError
 from exl_backends.sampling import SamplerState, SamplingParams, sample
 
-from conftest import TOKENIZER_DIR, needs_fixtures
+from conftest import TOKENIZER_DIR
 
-pytestmark = needs_fixtures()
 VOCAB = 512
 EOS = 510
 
@@ -191,13 +190,11 @@ def test_bad_constraints(kwargs, message, grammar_tokenizer):
         Constraint(grammar_tokenizer, **kwargs)
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_accepts_its_own_tokenization():
     """A 49k byte-level BPE vocabulary: the tokenizer's own encoding of valid JSON passes the masks."""
-    from exl_backends.quickstart import cache_dir
-    path = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip("SmolLM2 not imported here (run `exl quickstart` once)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    from exl_backends.quickstart import default_model_dir
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())      # imported on first use, as the quickstart
     grammar_tokenizer = GrammarTokenizer(tokenizer)
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
               "required": ["city", "population"], "additionalProperties": False}

@@ -176,8 +176,6 @@ def test_output_has_exactly_the_layout_exllamav2_wrote(tmp_path, model):
     """The fixtures' models converted with ExLlamaV2's own measurement.json: same tensor names (Qwen2's padded
     q/k/v biases included), dtypes, shape rules and config block as ExLlamaV2's conversion of the same model,
     and the same files."""
-    if not FIXTURES.is_dir():
-        pytest.skip(f"{FIXTURES} not present")
     theirs_dir = FIXTURES / "exl2" / f"{model}_exl2_4.0bpw_h6"
     cal = calibration_text(tmp_path / "cal.txt")
     out = convert(options(FIXTURES / "hf" / model, tmp_path / "q", 4.0, cal, rows=2, length=32,

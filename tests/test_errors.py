@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from exl_backends import ExlForCausalLM
 from exl_backends.errors import CheckpointError, ConfigError, ContextLengthError, UnsupportedArchitectureError
 
-from conftest import save_tiny, tiny_config
+from conftest import REPO, save_tiny, tiny_config
 
 
 @pytest.fixture
@@ -100,3 +103,32 @@ def test_generator_prompt_longer_than_context(model_dir):
 def test_unknown_cache_mode(model_dir):
     with pytest.raises(ConfigError, match="q3"):
         ExlForCausalLM.from_pretrained(model_dir, device="cpu", cache_mode="q3")
+
+
+# ---- the `exl` command: one line saying what to install or pass, no traceback ----------------------------------
+
+
+def exl_subprocess(*args: str, setup: str = "") -> subprocess.CompletedProcess:
+    code = f"import sys\n{setup}\nfrom exl_backends.cli import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *phrases: str):
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(p in lines[0] for p in phrases), done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a usable CUDA GPU")
+def test_generate_on_cuda_without_a_gpu(model_dir):
+    done = exl_subprocess("generate", "-m", str(model_dir), "-p", "Hi", "-n", "2", "--device", "cuda")
+    assert_one_line_error(done, "exl generate: error: device cuda", "--device cpu")
+    if torch.version.cuda is None:
+        assert "CPU-only build" in done.stderr
+
+
+def test_serve_without_the_server_extra(model_dir):
+    """sys.modules[name] = None: what an import of a package that is not installed does."""
+    done = exl_subprocess("serve", "-m", str(model_dir), setup="sys.modules['fastapi'] = None")
+    assert_one_line_error(done, "exl serve: error:", "server extra", "'fastapi'", "pip install 'exl-backends[server]'")

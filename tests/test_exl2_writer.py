@@ -18,7 +18,7 @@ from exl_backends.formats.exl2_writer import (exl2_config, linear_tensors, matri
                                               shard_names, write_shards)
 from exl_backends.tensors import TensorStore
 
-from conftest import FIXTURES, needs_fixtures
+from conftest import FIXTURES
 from quant_helpers import pack_stream
 
 
@@ -57,7 +57,6 @@ def test_worked_example_of_the_spec():
     assert weight[1, 21].item() == 0.0117340087890625 and weight[2, 58].item() == -0.002197265625
 
 
-@needs_fixtures()
 @pytest.mark.parametrize("variant", ["llama_tiny_exl2_2.5bpw_h6", "llama_tiny_exl2_6.0bpw_h8"])
 def test_repacking_exllamav2_files_gives_the_same_words(variant):
     """Unpack every linear ExLlamaV2 wrote (codes, scale codes, permutation) and pack it again: identical."""
@@ -158,7 +157,6 @@ def test_bad_group_layouts_are_refused():
         pack_linear(codes + 5, [(2, 32), (2, 32)], qs, sm, perm, 32)
 
 
-@needs_fixtures()
 def test_config_has_the_quantization_config_of_exllamav2_and_top_level_rope():
     fixture = json.loads((FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6" / "config.json").read_text())
     source = {"architectures": ["LlamaForCausalLM"],

@@ -1,4 +1,4 @@
-"""Every checkpoint in the ExLlamaV2 reference fixtures (../shared/fixtures/exl2-ref, see its README): our
+"""Every checkpoint in the ExLlamaV2 reference fixtures (tests/fixtures/exl2-ref, see its README): our
 dequantized weights equal ExLlamaV2's bit for bit, and our logits on the recorded tokens match ExLlamaV2's.
 
 Tolerances (relative L2 over the [positions, vocab] logits). ExLlamaV2 computes in fp16; the CPU path computes in
@@ -12,6 +12,7 @@ fp16 rounding noise), 1e-5 against transformers f32 (same arithmetic), and top-1
 0.96-1.0: random-weight models have near-ties, one flip in 24 positions is 0.958)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 
@@ -33,14 +34,8 @@ MIN_TOP1 = 0.9
 
 def variants() -> list[str]:
     """Every converted checkpoint in the fixtures (hidden extra variants included, found the same way)."""
-    if not FIXTURES.is_dir():
-        return []
     dirs = [d for sub in ("exl2", "gptq") if (FIXTURES / sub).is_dir() for d in (FIXTURES / sub).iterdir()]
     return sorted(str(d.relative_to(FIXTURES)) for d in dirs if d.is_dir() and (FIXTURES / "refs" / d.name).is_dir())
-
-
-pytestmark = pytest.mark.skipif(not variants(), reason=f"no reference fixtures in {FIXTURES} "
-                                                       f"(set EXL_FIXTURES or run scripts/stage-fixtures)")
 
 
 def source_model(name: str):
@@ -62,9 +57,13 @@ def tokens():
     return json.loads((FIXTURES / "tokens.json").read_text())
 
 
-@pytest.fixture(scope="module", params=variants() or ["none"])
+@pytest.fixture(scope="module", params=variants())
 def variant(request):
     return request.param
+
+
+def test_the_fixtures_hold_every_variant():
+    assert len(variants()) >= 5, f"reference fixtures in {FIXTURES}: {variants()}"
 
 
 @pytest.fixture(scope="module")
@@ -81,25 +80,43 @@ def models():
     return get
 
 
+def dequant_refs(name: str) -> dict[str, tuple[list[int], torch.Tensor | str]]:
+    """weight name -> (shape, fp16 tensor or sha256 of its bytes): refs/<v>/dequant.*, ExLlamaV2's reconstruct
+    kernel output (layer 0 and lm_head), and for GPTQ also gptq/<v>.expected_dequant.* (all linears). The trimmed
+    fixtures keep the hashes (.json), the original set the tensors (.safetensors)."""
+    out = {}
+    for stem in (f"refs/{name}/dequant", f"gptq/{name}.expected_dequant"):
+        tensors, digests = FIXTURES / f"{stem}.safetensors", FIXTURES / f"{stem}.json"
+        if tensors.is_file():
+            out.update({k: (list(t.shape), t) for k, t in load_file(tensors).items()})
+        elif digests.is_file():
+            out.update({k: (v["shape"], v["sha256"]) for k, v in json.loads(digests.read_text()).items()})
+    return out
+
+
 def test_dequantized_weights_equal_exllamav2_bit_for_bit(variant):
-    """refs/<v>/dequant.safetensors: ExLlamaV2's reconstruct kernel output (layer 0 and lm_head); for GPTQ also
-    gptq/<v>.expected_dequant.safetensors (all linears)."""
     name = variant.split("/")[1]
     ckpt = formats.open_checkpoint(FIXTURES / variant)
-    refs = [FIXTURES / "refs" / name / "dequant.safetensors",
-            FIXTURES / "gptq" / f"{name}.expected_dequant.safetensors"]
-    checked = 0
-    for file in (f for f in refs if f.is_file()):
-        for weight_name, ref in load_file(file).items():
-            key = weight_name.removesuffix(".weight")
-            layer = formats.load_linear(ckpt, key, ref.shape[1], ref.shape[0], False, torch.device("cpu"),
-                                        torch.float16)
-            ours = layer.dense_weight()
-            assert ours.dtype == torch.float16 and ours.shape == ref.shape, weight_name
+    refs = dequant_refs(name)
+    for weight_name, (shape, ref) in refs.items():
+        key = weight_name.removesuffix(".weight")
+        layer = formats.load_linear(ckpt, key, shape[1], shape[0], False, torch.device("cpu"), torch.float16)
+        ours = layer.dense_weight()
+        assert ours.dtype == torch.float16 and list(ours.shape) == shape, weight_name
+        if isinstance(ref, str):
+            digest = hashlib.sha256(ours.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            assert digest == ref, f"{variant} {weight_name}: fp16 values differ from ExLlamaV2's (sha256)"
+        else:
             differing = int((ours.view(torch.int16) != ref.view(torch.int16)).sum())
             assert differing == 0, f"{variant} {weight_name}: {differing} of {ref.numel()} fp16 values differ"
-            checked += 1
-    assert checked >= 7
+    assert len(refs) >= 8
+
+
+def reference_logits(variant: str) -> dict[str, torch.Tensor]:
+    """refs/<v>/logits.safetensors as f32 (ExLlamaV2's and transformers' fp16 logits: the trimmed fixtures store
+    them as fp16, which holds them exactly)."""
+    file = FIXTURES / "refs" / variant.split("/")[1] / "logits.safetensors"
+    return {k: t.float() for k, t in load_file(file).items()}
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
@@ -111,7 +128,7 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> Non
 @pytest.mark.parametrize("device", DEVICES)
 def test_logits_match_exllamav2(variant, tokens, device, models):
     model = models(variant, device)
-    ref = load_file(FIXTURES / "refs" / variant.split("/")[1] / "logits.safetensors")
+    ref = reference_logits(variant)
     for seq in ("seq_a", "seq_b"):
         ours = model(torch.tensor([tokens[seq]])).logits[0].cpu()
         compare(ours, ref[f"exl2.{seq}.full"], TOL_EXLLAMA, f"{variant} {seq} vs ExLlamaV2")
@@ -127,7 +144,7 @@ def test_incremental_decode_matches_exllamav2(variant, tokens, device, models):
     rows = [model.model.forward(Batch.build([SeqChunk(ids[:8], 0, [0])], 256, model.device, all_logits=True), cache)]
     for i in range(8, len(ids)):
         rows.append(model.model.forward(Batch.build([SeqChunk([ids[i]], i, [0])], 256, model.device), cache))
-    ref = load_file(FIXTURES / "refs" / variant.split("/")[1] / "logits.safetensors")["exl2.seq_a.incremental"]
+    ref = reference_logits(variant)["exl2.seq_a.incremental"]
     compare(torch.cat(rows).cpu(), ref, TOL_EXLLAMA, f"{variant} incremental vs ExLlamaV2")
 
 

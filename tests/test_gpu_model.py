@@ -13,7 +13,7 @@ from exl_backends import ExlForCausalLM, Generator
 from exl_backends.formats.exl2_writer import linear_tensors
 from exl_backends.formats.synthetic import random_exl2
 
-from conftest import FIXTURES, TOKENIZER_DIR, needs_fixtures
+from conftest import FIXTURES, TOKENIZER_DIR
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -54,7 +54,6 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@needs_fixtures()
 def test_smollm2_shape_gpu_logits_match_cpu_reference(tmp_path):
     write_random_exl2(tmp_path, SMOLLM2)
     ids = torch.randint(0, 509, (1, 77), generator=torch.Generator().manual_seed(1))
@@ -64,7 +63,6 @@ def test_smollm2_shape_gpu_logits_match_cpu_reference(tmp_path):
     assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.8   # random weights: some near-ties
 
 
-@needs_fixtures()
 @pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
 def test_graph_replay_generates_the_same_tokens_as_eager(cache_mode):
     model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
@@ -81,7 +79,6 @@ def test_graph_replay_generates_the_same_tokens_as_eager(cache_mode):
     assert run(True) == run(False)
 
 
-@needs_fixtures()
 @pytest.mark.parametrize("drafting", ["ngram", "self-draft"])
 def test_speculative_verify_graphs_generate_the_eager_tokens(drafting):
     """Speculative decoding with captured verify steps (several tokens per sequence) and, for a draft model, its own
@@ -101,7 +98,6 @@ def test_speculative_verify_graphs_generate_the_eager_tokens(drafting):
     assert replayed == run(False)[1]
 
 
-@needs_fixtures()
 def test_captures_run_without_automatic_garbage_collection(monkeypatch):
     """A generator dropped in a reference cycle keeps its graphs until the garbage collector frees them, and freeing
     a graph while another one is being captured invalidates that capture (seen on the H200: "operation not permitted
@@ -127,7 +123,6 @@ def test_captures_run_without_automatic_garbage_collection(monkeypatch):
     assert seen and not any(seen)
 
 
-@needs_fixtures()
 @pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
 def test_prefill_pieces_replay_the_eager_logits(cache_mode):
     """Steps that no decode graph takes (prompts, and a prompt chunk beside a decode row) through the captured
@@ -162,7 +157,6 @@ def test_prefill_pieces_replay_the_eager_logits(cache_mode):
     assert sorted(runner.prefill.graphs) == [8, 96, 352]      # 7, 93 and 340 tokens, padded (runner.TOKEN_SIZES)
 
 
-@needs_fixtures()
 @pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
 def test_a_copied_page_head_gives_the_computed_prefix_distribution(cache_mode):
     """A chat's next turn takes the finished turn's partly filled last page as a copied head (on the GPU: every

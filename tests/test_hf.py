@@ -3,6 +3,7 @@ pipeline, HF-facing attributes) and the "exl2" quantizer plugin for stock AutoMo
 transformers itself on the same weights."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, L
 from exl_backends import ExlForCausalLM
 from exl_backends.config import ModelConfig
 
-from conftest import FIXTURES, REPO, needs_fixtures, save_tiny, tiny_config
+from conftest import FIXTURES, REPO, save_tiny, tiny_config
 
 PAD = 511
 EXL2_DIR = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
@@ -171,7 +172,6 @@ def test_pipeline_text_generation_equals_transformers(fp16_tiny):
 # ---- the quantizer plugin --------------------------------------------------------------------------------------
 
 
-@needs_fixtures()
 def test_auto_model_loads_exl2_onto_our_layers():
     import exl_backends  # noqa: F401  (registers the plugin; already imported here, as it is in any user's code)
     from exl_backends.hf_quantizer import Exl2Config, Exl2Linear
@@ -187,12 +187,41 @@ def test_auto_model_loads_exl2_onto_our_layers():
         assert torch.equal(hf.generate(ids, max_new_tokens=12, do_sample=False), ours.generate(ids, max_new_tokens=12))
 
 
+@pytest.fixture(scope="module")
+def tied_exl2(tmp_path_factory):
+    """A tiny Llama with tie_word_embeddings: true (as SmolLM2, the default model), converted to EXL2 4.0 bpw by our
+    converter, which quantizes the head on its own (6 bits) and keeps the config's tie flag."""
+    from exl_backends.convert.pipeline import convert
+    from test_convert import calibration_text, options
+    base = tmp_path_factory.mktemp("tied")
+    save_tiny(base / "fp16", tiny_config("llama", tie_word_embeddings=True), seed=5, dtype=torch.float16)
+    return convert(options(base / "fp16", base / "q", 4.0, calibration_text(base / "cal.txt"), rows=2, length=32))
+
+
+def test_auto_model_loads_a_tied_quantized_head_and_equals_ours(tied_exl2):
+    """transformers marks the tied head's `weight` when it builds the model, before our layers replace it: loading
+    once failed with "Exl2Linear has no attribute `weight`". The head stays the checkpoint's quantized tensor."""
+    import exl_backends  # noqa: F401
+    from exl_backends.hf_quantizer import Exl2Linear
+    from exl_backends.tensors import read_header
+    assert json.loads((tied_exl2 / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.q_weight" in read_header(tied_exl2 / "output.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(tied_exl2, dtype=torch.float32)
+    assert isinstance(hf.lm_head, Exl2Linear) and not hf.all_tied_weights_keys
+    ours = ExlForCausalLM.from_pretrained(tied_exl2, device="cpu")
+    ids = torch.tensor([[509, 84, 104, 101, 32, 116, 101, 97, 99, 104, 101, 114, 300, 200]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (ours(ids).logits - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    with torch.no_grad():
+        assert torch.equal(hf.generate(ids, max_new_tokens=12, do_sample=False), ours.generate(ids, max_new_tokens=12))
+
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                           env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
 
 
-@needs_fixtures()
 def test_without_the_import_transformers_refuses_exl2_loudly():
     """What a user sees without `import exl_backends`: a warning naming exl2, then an error (ExLlamaV2 names its
     file output.safetensors) - never a silently random model."""

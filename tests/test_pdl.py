@@ -15,7 +15,7 @@ import torch
 from exl_backends.errors import DeviceError
 from exl_backends.kernels import driver
 
-from conftest import FIXTURES, needs_fixtures
+from conftest import FIXTURES
 
 PROBE = r"""
 #include <stdio.h>
@@ -71,7 +71,6 @@ def test_parameters_hold_each_argument_as_its_exact_c_type():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@needs_fixtures()
 @pytest.mark.parametrize("shape", [(3, 37), (1, 3)], ids=["dequant-matmul", "small-matmul"])
 def test_programmatic_launches_give_the_plain_launches_logits(shape):
     """Kernels launched on a stream of our own go through cuLaunchKernelEx with programmatic serialization (sm_90+),

@@ -18,12 +18,11 @@ from exl_backends.errors import OutOfMemoryPlanError
 from exl_backends.linear import Linear
 from exl_backends.model import Model
 
-from conftest import FIXTURES, needs_fixtures, save_tiny, tiny_config
+from conftest import FIXTURES, save_tiny, tiny_config
 from quant_helpers import quantize_dir
 
 MIB = 2**20
-EXL2_FIXTURES = sorted((FIXTURES / "exl2").glob("*")) if (FIXTURES / "exl2").is_dir() else []
-needs_fixtures = pytest.mark.skipif(not EXL2_FIXTURES, reason=f"no reference fixtures in {FIXTURES}")
+EXL2_FIXTURES = sorted((FIXTURES / "exl2").glob("*"))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def loaded_bytes(m: Model) -> int:
 
 
 def all_dirs(dirs):
-    gptq = [p for p in (FIXTURES / "gptq").glob("*") if p.is_dir()] if (FIXTURES / "gptq").is_dir() else []
+    gptq = [p for p in (FIXTURES / "gptq").glob("*") if p.is_dir()]
     return list(dirs.values()) + EXL2_FIXTURES + gptq
 
 
@@ -140,6 +139,7 @@ def test_refusal_carries_the_numbers_and_ways_out(dirs):
 
 def test_from_pretrained_on_cuda_refuses_before_allocating(dirs, monkeypatch):
     """The plan is checked against free memory first: nothing is loaded (here there is not even a GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(planner, "free_memory", lambda device: 300 * MIB)
     monkeypatch.setattr(Model, "load", classmethod(lambda *a, **k: pytest.fail("loaded before the check")))
     with pytest.raises(OutOfMemoryPlanError, match="does not fit on cuda.*max_seq_len="):
@@ -168,7 +168,6 @@ def _source_shapes(d):
         return [f.get_slice(n).get_shape() for n in f.keys()]
 
 
-@needs_fixtures
 @pytest.mark.parametrize("variant", [d.name for d in EXL2_FIXTURES])
 def test_bits_per_linear_equal_exllamav2s_convert_log(variant):
     """convert.log lists `-- Linear: <key> -> <mix>, 3.66 bpw` for every linear the converter wrote."""
@@ -204,7 +203,6 @@ def test_exl_info_command(dirs, tmp_path, capsys):
     assert cli.main(["info", str(tmp_path / "missing")]) == 1
 
 
-@needs_fixtures()
 def test_exl_info_names_the_converter(tmp_path, capsys):
     """ExLlamaV2's version field is a bare number, ours names the tool."""
     import json

@@ -15,7 +15,7 @@ from exl_backends import sampling
 from exl_backends.errors import SamplingError
 from exl_backends.sampling import SamplerState, SamplingParams, draw, greedy, probs, sample, sample_rows
 
-from conftest import TOKENIZER_DIR, needs_fixtures
+from conftest import TOKENIZER_DIR
 
 V = 1031    # odd, prime: no accidental alignment
 
@@ -172,7 +172,6 @@ def test_dry_penalises_the_repeat():
     assert ids.tolist() == []                      # a breaker inside the repeat cuts it to length 1
 
 
-@needs_fixtures()
 def test_dry_through_the_sampler_with_range():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     params = SamplingParams(dry_multiplier=0.8, dry_range=9)

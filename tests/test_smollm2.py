@@ -7,7 +7,7 @@ import torch
 from exl_backends import ExlForCausalLM
 from exl_backends.quickstart import chat_prompt, default_model_dir
 
-from conftest import SHARED
+from conftest import WIKITEXT
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def smollm2():
 def test_logits_equal_transformers_on_wikitext(smollm2):
     from transformers import AutoModelForCausalLM
     path, ours = smollm2
-    text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:4000]
+    text = (WIKITEXT / "test-excerpt.txt").read_text()
     ids = ours.tokenizer(text, return_tensors="pt").input_ids[:, :256]
     assert ids.shape[1] == 256
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import FIXTURES
 from kernel_testing import on_gpu, poison_allocator
 from safetensors.torch import save_file
 
@@ -26,8 +27,7 @@ from exl_backends.formats import exl2, synthetic
 from exl_backends.kernels import quant_matmul as qm
 from exl_backends.tensors import TensorStore
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-EXL2_FIXTURE = SHARED / "fixtures" / "exl2-ref" / "exl2" / "llama_tiny_exl2_2.5bpw_h6"
+EXL2_FIXTURE = FIXTURES / "exl2" / "llama_tiny_exl2_2.5bpw_h6"
 
 # every width alone, the spec's candidate mixes (§10.6), and 3/2-bit mixes
 EXL2_MIXES = ["2b_64g", "3b_128g", "4b_128g", "5b_64g", "6b_32g", "8b_128g",
@@ -103,7 +103,6 @@ def test_exl2_lane_layout_reads_back_the_reference_weight(mix, k, n):
     assert torch.equal(lane_dequant(qm.exl2_layout(w)), w.dequantize())
 
 
-@pytest.mark.skipif(not EXL2_FIXTURE.is_dir(), reason="EXL2 fixture missing")
 def test_exl2_lane_layout_of_a_real_exllamav2_checkpoint():
     store = TensorStore(EXL2_FIXTURE)
     for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "model.layers.1.self_attn.q_proj": (256, 256),

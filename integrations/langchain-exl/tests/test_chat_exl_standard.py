@@ -9,9 +9,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_exl import ChatExl
-from tiny_chat_model import needs_fixtures, tiny_chat_model
-
-pytestmark = needs_fixtures
+from tiny_chat_model import tiny_chat_model
 
 
 @pytest.fixture(autouse=True)

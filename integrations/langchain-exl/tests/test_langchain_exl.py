@@ -16,9 +16,7 @@ from pydantic import BaseModel
 
 from exl_backends import SamplingParams
 from langchain_exl import ChatExl, ExlLLM
-from tiny_chat_model import needs_fixtures, tiny_chat_model
-
-pytestmark = needs_fixtures
+from tiny_chat_model import tiny_chat_model
 
 
 @pytest.fixture(autouse=True)

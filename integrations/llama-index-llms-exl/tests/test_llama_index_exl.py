@@ -11,7 +11,7 @@ from llama_index.core.llms import ChatMessage
 
 from exl_backends import SamplingParams
 from llama_index.llms.exl import Exl
-from tiny_chat_model import needs_fixtures, tiny_chat_model
+from tiny_chat_model import tiny_chat_model
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,6 @@ def test_is_a_llama_index_llm():
     Exl(model="/no/such/dir")          # construction loads nothing
 
 
-@needs_fixtures
 async def test_complete_stream_chat_and_async_agree():
     llm = Exl(model=tiny_chat_model(0), max_tokens=10, temperature=0)
     meta = llm.metadata
@@ -53,7 +52,6 @@ async def test_complete_stream_chat_and_async_agree():
         llm.complete("x", frequency_penalty=1.0)
 
 
-@needs_fixtures
 async def test_async_runs_concurrently_with_the_event_loop():
     llm = Exl(model=tiny_chat_model(0), max_tokens=40, temperature=0)
     await llm.acomplete("warm up")
