@@ -15,7 +15,7 @@ from exl_backends.generator import template_stop_ids
 from exl_backends.tools import ChatFormat, Reply, ToolError, parse_tools, prepare
 
 from conftest import needs_fixtures
-from serving import save_chat_model
+from serving import THINKING_TEMPLATE, save_chat_model
 
 pytestmark = needs_fixtures()
 
@@ -29,17 +29,6 @@ ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# a template with tool support and reasoning, in the Qwen3 style: tools in the system turn, calls in <tool_call>
-# tags, results in <tool_response> tags, and a generation prompt that opens a <think> block
-THINKING_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end_of_text|>\n"
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
-    "</tool_call>{% endfor %}{% elif m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>"
-    "{% else %}{{ m.content }}{% endif %}<|end_of_text|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_chat_model(tmp_path_factory.mktemp("tools_tiny"))
