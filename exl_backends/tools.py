@@ -463,6 +463,14 @@ class Reply:
         return r
 
 
+def finish_reason(deltas: list[Delta], engine_reason: str) -> str:
+    """A reply's finish_reason: "length" when the budget cut a call (a whole reply leaves it out), "tool_calls"
+    when calls came, else the engine's own."""
+    if any(d.kind == "incomplete" for d in deltas):
+        return "length"
+    return "tool_calls" if any(d.kind == "call" for d in deltas) else engine_reason
+
+
 class ReplyParser:
     """Splits a reply streamed as text pieces into Deltas: reasoning, content, calls. Text that may still turn
     into a tag or a call is held back until it is known. The calls' syntax is the one the grammar enforces; a

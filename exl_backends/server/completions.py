@@ -24,7 +24,7 @@ from ..errors import SamplingError
 from ..generator import Generator, template_stop_ids
 from ..job import Chunk
 from ..sampling import SamplingParams
-from ..tools import Delta, Reply, ToolError, ToolRequest, prepare
+from ..tools import Delta, Reply, ToolError, ToolRequest, finish_reason, prepare
 from . import errors
 from .engine import Engine, JobStream, QueueFull
 from .errors import APIError, bad_request
@@ -383,8 +383,7 @@ class ChatOutput(Output):
         super().__init__(completions, n, n_top, stop_ids)
         self.request = request
         self.parsers: dict = {}
-        self.n_calls: dict[int, int] = defaultdict(int)
-        self.cut: set[int] = set()          # choices whose last call never completed
+        self.calls: dict[int, list[Delta]] = defaultdict(list)     # each choice's call begins and cuts so far
 
     def logprobs(self, scored: list) -> dict:
         text = self.token_text
@@ -400,16 +399,6 @@ class ChatOutput(Output):
         return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}] for i in range(self.n)]
 
-    def note(self, index: int, pieces: list[Delta]) -> None:
-        self.n_calls[index] += sum(d.kind == "call" for d in pieces)
-        if any(d.kind == "incomplete" for d in pieces):
-            self.cut.add(index)
-
-    def finish_reason(self, index: int, chunk: Chunk) -> str:
-        if index in self.cut:
-            return "length"
-        return "tool_calls" if self.n_calls[index] else chunk.finish_reason
-
     def deltas(self, index: int, chunk: Chunk) -> list[list[dict]]:
         parser = self.parsers.get(index)
         if parser is None:
@@ -417,7 +406,7 @@ class ChatOutput(Output):
         pieces = parser.feed(chunk.text) if chunk.text else []
         if chunk.finish_reason is not None:
             pieces += parser.close()
-        self.note(index, pieces)
+        self.calls[index] += [d for d in pieces if d.kind in ("call", "incomplete")]
         choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                    for delta in map(openai_delta, pieces) if delta is not None]
         scored = self.scored(chunk)
@@ -429,7 +418,7 @@ class ChatOutput(Output):
         if chunk.finish_reason is not None:
             self.finals[index] = chunk
             out.append([{"index": index, "delta": {}, "logprobs": None,
-                         "finish_reason": self.finish_reason(index, chunk)}])
+                         "finish_reason": finish_reason(self.calls[index], chunk.finish_reason)}])
         return out
 
     def response(self, chunks: dict[int, list[Chunk]]) -> dict:
@@ -439,7 +428,6 @@ class ChatOutput(Output):
             self.finals[index] = cs[-1]
             parser = self.request.parser()
             pieces = parser.feed("".join(c.text for c in cs)) + parser.close()
-            self.note(index, pieces)
             reply = Reply.of(pieces)
             message = {"role": "assistant", "content": reply.content or (None if reply.calls else ""),
                        "tool_calls": [c.spec() for c in reply.calls] or None}
@@ -449,7 +437,7 @@ class ChatOutput(Output):
                 "index": index, "message": message,
                 "logprobs": (self.logprobs([lp for c in cs for lp in self.scored(c)])
                              if self.n_top is not None else None),
-                "finish_reason": self.finish_reason(index, cs[-1])})
+                "finish_reason": finish_reason(pieces, cs[-1].finish_reason)})
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,
                 "system_fingerprint": None, "choices": choices, "usage": self.usage()}
 

@@ -21,7 +21,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict
 
 from exl_backends.generator import template_stop_ids
-from exl_backends.tools import Delta, Reply, ToolRequest, prepare
+from exl_backends.tools import Delta, Reply, ToolRequest, finish_reason, prepare
 from langchain_exl.settings import ExlSettings
 
 ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
@@ -241,14 +241,6 @@ def reasoning_kwargs(reasoning: str) -> dict:
     return {"reasoning_content": reasoning} if reasoning else {}
 
 
-def finish_reason(pieces: list[Delta], engine_reason: str) -> str:
-    """"length" when the budget cut a call (left out of the reply), "tool_calls" when calls came, else the
-    engine's reason."""
-    if any(d.kind == "incomplete" for d in pieces):
-        return "length"
-    return "tool_calls" if any(d.kind == "call" for d in pieces) else engine_reason
-
-
 class ReplyChunks:
     """Engine chunks -> LangChain chunks through the reply's parser: content, reasoning (additional_kwargs) and
     tool_call_chunks (a call's first with its id and name, then argument pieces, all with its index); the last
@@ -262,7 +254,7 @@ class ReplyChunks:
         pieces = self.parser.feed(piece.text) if piece.text else []
         if piece.finish_reason is not None:
             pieces += self.parser.close()
-        self.seen += pieces
+        self.seen += [d for d in pieces if d.kind in ("call", "incomplete")]     # what finish_reason reads
         out = [ChatGenerationChunk(message=m) for m in map(lc_chunk, pieces) if m is not None]
         if piece.finish_reason is not None:
             reason = finish_reason(self.seen, piece.finish_reason)

@@ -264,6 +264,6 @@ def test_default_model_calls_the_tool_with_the_prompts_argument():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     chat = ChatExl(model=str(path), temperature=0, max_tokens=40, device="cpu", max_seq_len=1024)
-    reply = chat.bind_tools([magic_function], tool_choice="any").invoke(
+    reply = chat.bind_tools([magic_function], tool_choice="any", parallel_tool_calls=False).invoke(
         "What is the value of magic_function(3)? Use the tool.")
     assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("magic_function", {"input": 3})]
