@@ -218,3 +218,32 @@ def test_reasoning_is_split_out_streamed_and_not(thinking):
     calls, content, finish = reassemble(chunks)
     assert reasoning == message.reasoning_content and content == "" and finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == calls_of(message)
+
+
+# ---- the default model -------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_model_tool_round_trip_through_the_openai_client():
+    """Call -> tool result -> answer on the default model, streamed and not (the same greedy reply both ways)."""
+    from exl_backends.quickstart import default_model_dir
+    try:
+        path = default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model = ExlForCausalLM.from_pretrained(path, device="cpu", max_seq_len=1024)
+    with running(create_app(Generator(model, max_batch_size=4), path.name, None)) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        args = dict(model=path.name, temperature=0, max_tokens=40, tools=[WEATHER])
+        first = c.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False, **args)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1
+        jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), SCHEMAS["get_weather"])
+        streamed = reassemble(c.chat.completions.create(messages=ASK, tool_choice="required",
+                                                        parallel_tool_calls=False, stream=True, **args))
+        assert [(v["name"], v["arguments"]) for v in streamed[0].values()] == calls_of(message)
+        history = ASK + [message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C and sunny"}]
+        answer = c.chat.completions.create(messages=history, **args).choices[0]
+        assert answer.message.content or answer.message.tool_calls
+        chunks = list(c.chat.completions.create(messages=history, stream=True, **args))
+        assert reassemble(chunks)[1] == (answer.message.content or "")
