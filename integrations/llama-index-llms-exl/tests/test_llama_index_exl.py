@@ -10,7 +10,9 @@ import pytest
 import pytest_socket
 from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.llms import ChatMessage
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
+from pydantic import BaseModel
 
 from exl_backends import SamplingParams
 from llama_index.llms.exl import Exl
@@ -86,6 +88,12 @@ async def test_default_model_answers_in_every_mode():
     assert (await llm.acomplete("The capital of France is")).text.strip()
 
 
+class Song(BaseModel):
+    """A song."""
+    title: str
+    year: int
+
+
 def multiply(a: int, b: int) -> int:
     """Multiply two integers."""
     return a * b
@@ -107,6 +115,9 @@ def test_chat_with_tools_gives_valid_calls_streamed_and_not():
     for r in streamed:
         for c in r.message.additional_kwargs.get("tool_calls", []):
             json.loads(c["function"]["arguments"])
+    # structured_predict goes through a forced call for a function-calling LLM
+    song = llm.structured_predict(Song, PromptTemplate("Name a song about {topic}"), topic="rain")
+    assert isinstance(song, Song) and type(song.year) is int
     with pytest.raises(ValueError, match="no tool call|none"):
         llm.get_tool_calls_from_response(llm.chat_with_tools([tool], user_msg="hi", tool_choice="none"))
 
