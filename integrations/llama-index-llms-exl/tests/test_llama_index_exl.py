@@ -142,3 +142,23 @@ async def test_function_agent_calls_the_tool_and_finishes():
     assert called and results[0].tool_name == "multiply" and results[0].tool_output.raw_output == \
         called[0][0] * called[0][1]
     assert output.response is not None
+
+
+@pytest.mark.slow
+async def test_default_model_function_agent_calls_the_tool():
+    """A FunctionAgent on the default model calls the tool with the prompt's argument (the 135M model copies one
+    argument reliably; with two it writes zeros) and finishes."""
+    from llama_index.core.agent.workflow import FunctionAgent
+
+    from exl_backends.quickstart import default_model_dir
+    called = []
+
+    def magic(input: int) -> int:
+        """Apply a magic function to an input."""
+        called.append(input)
+        return input + 2
+
+    llm = Exl(model=str(default_model_dir()), max_tokens=40, temperature=0, max_seq_len=1024)
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=magic)], llm=llm, initial_tool_choice="magic")
+    output = await agent.run("What is the value of magic(3)? Use the tool.")
+    assert called == [3] and output.tool_calls[0].tool_output.raw_output == 5
