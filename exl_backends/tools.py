@@ -366,14 +366,15 @@ def closed_objects(schema):
 # ---- messages --------------------------------------------------------------------------------------------------------
 
 def check_tool_messages(messages: list[dict]) -> None:
-    """Each tool message answers a call an earlier assistant message made (by tool_call_id)."""
+    """Each tool message that names a call (tool_call_id) answers one an earlier assistant message made. One without
+    an id is history the template renders as it is (templates without call ids; clients that send none)."""
     made: set[str] = set()
     for i, m in enumerate(messages):
         for call in m.get("tool_calls") or []:
             made.add(call.get("id"))
         if m.get("role") == "tool":
             call_id = m.get("tool_call_id")
-            if call_id not in made:
+            if call_id is not None and call_id not in made:
                 raise ToolError(f"messages[{i}]: a tool message answers tool_call_id {call_id!r}, but no earlier "
                                 f"assistant message made a call with that id")
 

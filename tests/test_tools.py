@@ -303,3 +303,8 @@ def test_a_call_that_cannot_fit_is_left_out(gen):
 def test_parse_tools_accepts_bare_functions():
     tools = parse_tools([{"name": "f", "description": "d"}, ADD])
     assert [t.name for t in tools] == ["f", "add"] and tools[0].parameters == {"type": "object", "properties": {}}
+
+
+def test_a_tool_message_without_an_id_is_rendered_as_it_is(gen):
+    req = prepare(gen.tokenizer, ASK + [{"role": "tool", "content": "18 C"}], [WEATHER])
+    assert "<tool_response>\n18 C\n</tool_response>" in req.prompt
