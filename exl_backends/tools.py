@@ -366,14 +366,15 @@ def closed_objects(schema):
 # ---- messages --------------------------------------------------------------------------------------------------------
 
 def check_tool_messages(messages: list[dict]) -> None:
-    """Each tool message answers a call an earlier assistant message made (by tool_call_id)."""
+    """Each tool message that names a call (tool_call_id) answers one an earlier assistant message made. One without
+    an id is history the template renders as it is (templates without call ids; clients that send none)."""
     made: set[str] = set()
     for i, m in enumerate(messages):
         for call in m.get("tool_calls") or []:
             made.add(call.get("id"))
         if m.get("role") == "tool":
             call_id = m.get("tool_call_id")
-            if call_id not in made:
+            if call_id is not None and call_id not in made:
                 raise ToolError(f"messages[{i}]: a tool message answers tool_call_id {call_id!r}, but no earlier "
                                 f"assistant message made a call with that id")
 
@@ -461,6 +462,14 @@ class Reply:
                 del heads[d.index]
         r.calls = [ToolCall(heads[i].id, heads[i].name, args[i]) for i in sorted(heads)]
         return r
+
+
+def finish_reason(deltas: list[Delta], engine_reason: str) -> str:
+    """A reply's finish_reason: "length" when the budget cut a call (a whole reply leaves it out), "tool_calls"
+    when calls came, else the engine's own."""
+    if any(d.kind == "incomplete" for d in deltas):
+        return "length"
+    return "tool_calls" if any(d.kind == "call" for d in deltas) else engine_reason
 
 
 class ReplyParser:

@@ -31,7 +31,7 @@ def tiny_chat_model(seed: int = 0) -> str:
     directory = Path(tempfile.mkdtemp(prefix=f"exl-tiny-chat-{seed}-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          bos_token_id=509, eos_token_id=510, pad_token_id=511, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -18,11 +18,21 @@ KEY = "sk-test-0123456789abcdef"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|end_of_text|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# a template with tool support and reasoning, in the Qwen3 style: tools in the system turn, calls in <tool_call>
+# tags, results in <tool_response> tags, and a generation prompt that opens a <think> block
+THINKING_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end_of_text|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
+    "</tool_call>{% endfor %}{% elif m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% else %}{{ m.content }}{% endif %}<|end_of_text|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 
-def save_chat_model(directory: Path) -> Path:
+
+def save_chat_model(directory: Path, template: str = CHAT_TEMPLATE) -> Path:
     save_tiny(directory, tiny_config("llama"))
     path = directory / "tokenizer_config.json"
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), chat_template=CHAT_TEMPLATE)))
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), chat_template=template)))
     return directory
 
 

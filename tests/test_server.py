@@ -383,7 +383,6 @@ def test_max_tokens_is_cut_to_the_context(client):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"mirostat_tau": 3.0, "xtc_probability": 0.5}, None),
     ({"banned_strings": [""]}, None),
 ])
@@ -393,8 +392,6 @@ def test_bad_parameters_are_400(url, body, param):
     assert r.status_code == 400, r.text
     e = error_of(r)
     assert e["type"] == "invalid_request_error" and e["param"] == param
-    if "tools" in body:
-        assert e["code"] == "tools_not_supported" and "tool calling is not supported" in e["message"]
 
 
 @pytest.mark.parametrize("content, headers", [

@@ -121,8 +121,9 @@ def test_clients_leaving_mid_stream_are_cancelled_and_others_finish(gen, url):
 
 @pytest.fixture(scope="module")
 def short_url(model_dir):
-    """A server whose context is short: fuzzed requests (no max_tokens, n up to 16) generate little."""
-    model = ExlForCausalLM.from_pretrained(model_dir, device="cpu", max_seq_len=48)
+    """A server whose context is short: fuzzed requests (no max_tokens, n up to 16) generate little (64: room for
+    a tool message, which a template without tool support gets wrapped in <tool_response> tags)."""
+    model = ExlForCausalLM.from_pretrained(model_dir, device="cpu", max_seq_len=64)
     with running(create_app(Generator(model, page_size=16, cache_tokens=64 * 16), "tiny", ApiKey(KEY))) as base:
         yield base
 

@@ -15,7 +15,7 @@ from exl_backends.generator import template_stop_ids
 from exl_backends.tools import ChatFormat, Reply, ToolError, parse_tools, prepare
 
 from conftest import needs_fixtures
-from serving import save_chat_model
+from serving import THINKING_TEMPLATE, save_chat_model
 
 pytestmark = needs_fixtures()
 
@@ -29,17 +29,6 @@ ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# a template with tool support and reasoning, in the Qwen3 style: tools in the system turn, calls in <tool_call>
-# tags, results in <tool_response> tags, and a generation prompt that opens a <think> block
-THINKING_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end_of_text|>\n"
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
-    "</tool_call>{% endfor %}{% elif m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>"
-    "{% else %}{{ m.content }}{% endif %}<|end_of_text|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_chat_model(tmp_path_factory.mktemp("tools_tiny"))
@@ -314,3 +303,8 @@ def test_a_call_that_cannot_fit_is_left_out(gen):
 def test_parse_tools_accepts_bare_functions():
     tools = parse_tools([{"name": "f", "description": "d"}, ADD])
     assert [t.name for t in tools] == ["f", "add"] and tools[0].parameters == {"type": "object", "properties": {}}
+
+
+def test_a_tool_message_without_an_id_is_rendered_as_it_is(gen):
+    req = prepare(gen.tokenizer, ASK + [{"role": "tool", "content": "18 C"}], [WEATHER])
+    assert "<tool_response>\n18 C\n</tool_response>" in req.prompt

@@ -3,7 +3,11 @@ the jobs' chunks become OpenAI's response, or its stream of SSE chunks ending in
 
 Prompts are tokenized here, the way Generator.submit would (chat: the tokenizer's own chat template, whose special
 tokens then also end the reply), so that a prompt over the context is a 400 with the numbers before anything is
-queued. max_tokens is cut to what fits the context (finish_reason "length" there), as the engine does."""
+queued. max_tokens is cut to what fits the context (finish_reason "length" there), as the engine does.
+
+Chat goes through the tool-calling core (exl_backends/tools.py), with tools or without: it renders the messages
+(tool calls and tool results included), gives the grammar that makes every call parse and fit its tool's schema,
+and splits each reply, streamed or whole, into reasoning (`reasoning_content`), content and `tool_calls`."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +17,6 @@ import time
 import uuid
 from collections import defaultdict
 
-import jinja2
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
@@ -21,6 +24,7 @@ from ..errors import SamplingError
 from ..generator import Generator, template_stop_ids
 from ..job import Chunk
 from ..sampling import SamplingParams
+from ..tools import Delta, Reply, ToolError, ToolRequest, finish_reason, prepare
 from . import errors
 from .engine import Engine, JobStream, QueueFull
 from .errors import APIError, bad_request
@@ -48,20 +52,24 @@ class Completions:
             raise APIError(404, f"The model '{model}' does not exist: this server serves '{self.model_id}' "
                                 f"(GET /v1/models)", param="model", code="model_not_found")
 
-    def chat_text(self, messages: list[Message]) -> str:
-        """The messages rendered with the tokenizer's chat template, ready for the assistant's reply."""
+    def chat_request(self, messages: list[Message], tools: list | None = None, tool_choice=None,
+                     parallel_tool_calls: bool = True, enable_thinking: bool | None = None) -> ToolRequest:
+        """The messages rendered with the tokenizer's chat template for the assistant's reply, with the tools' grammar
+        and the reply's parser (ToolError: a 400 naming the field)."""
         if not self.tokenizer.chat_template:
             raise bad_request("this model has no chat template (chat_template in tokenizer_config.json, or "
                               "chat_template.jinja): use /v1/completions with a prompt instead", param="messages")
-        rendered = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": message_text(m, i)} for i, m in enumerate(messages)]
         try:
-            return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        except (jinja2.TemplateError, ValueError) as e:     # what a template refuses (roles out of order, ...)
-            raise bad_request(f"the model's chat template refused these messages: {e}", param="messages") from None
+            return prepare(self.tokenizer, [message_dict(m, i) for i, m in enumerate(messages)], tools, tool_choice,
+                           parallel_tool_calls, enable_thinking)
+        except ToolError as e:
+            raise bad_request(str(e), param=tool_error_param(str(e))) from None
 
-    def chat_ids(self, messages: list[Message]) -> list[int]:
-        ids = self.tokenizer.encode(self.chat_text(messages), add_special_tokens=False)
+    def chat_text(self, messages: list[Message]) -> str:
+        return self.chat_request(messages).prompt
+
+    def chat_ids(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         self._check_context(ids, "messages")
         return ids
 
@@ -90,10 +98,12 @@ class Completions:
     # ---- jobs -------------------------------------------------------------------------------------------------
 
     def job_requests(self, req: ChatRequest | CompletionRequest, prompts: list[list[int]], n: int,
-                     max_tokens: int, n_top: int | None, stop_ids: frozenset[int]) -> list[dict]:
+                     max_tokens: int, n_top: int | None, stop_ids: frozenset[int],
+                     grammar: str | None = None) -> list[dict]:
         """Generator.submit keyword arguments for every choice: prompt p's choice j is job p * n + j. n_top: how
-        many alternatives to report with each token's logprob (None: no logprobs)."""
-        constraint = response_format(req.response_format)
+        many alternatives to report with each token's logprob (None: no logprobs). grammar: the tools' (a
+        response_format with it is refused before)."""
+        constraint = {"grammar": grammar} if grammar else response_format(req.response_format)
         stop = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s]
         base = dict(max_new_tokens=max_tokens, stop=stop, banned_strings=req.banned_strings or (),
                     stop_token_ids=stop_ids, logprobs=0 if n_top is None else max(n_top, 1),
@@ -135,19 +145,28 @@ class Completions:
 
     async def chat(self, req: ChatRequest, request: Request):
         self.check_model(req.model)
-        if req.tools or req.functions:
-            raise bad_request("tool calling is not supported by this server yet: send the request without "
-                              "`tools` (and `functions`)", param="tools" if req.tools else "functions",
-                              code="tools_not_supported")
+        if req.functions:
+            raise bad_request("`functions` (OpenAI's deprecated form) is not supported: send the functions as "
+                              "`tools`: [{\"type\": \"function\", \"function\": {...}}]", param="functions",
+                              code="functions_not_supported")
         n = req.n or 1
         n_top = (req.top_logprobs or 0) if req.logprobs else None
         if n_top is not None:
             await asyncio.to_thread(self.token_text)        # reads the vocabulary once
-        ids = await asyncio.to_thread(self.chat_ids, req.messages)
+        thinking = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else None
+        tooled = await asyncio.to_thread(self.chat_request, req.messages, req.tools, req.tool_choice,
+                                         req.parallel_tool_calls is not False, thinking)
+        grammar = tooled.grammar
+        if req.response_format is not None and req.response_format.type != "text":
+            if tooled.choice != "none" and tooled.tools:
+                raise bad_request("response_format cannot be combined with tools (the reply is either text or "
+                                  "tool calls): drop one, or set tool_choice 'none'", param="response_format")
+            grammar = None          # tool_choice "none": the reply is the response_format's text
+        ids = await asyncio.to_thread(self.chat_ids, tooled.prompt)
         stop_ids = self.generator.eos_ids | template_stop_ids(self.tokenizer)
         max_tokens = req.max_completion_tokens or req.max_tokens or self.max_seq_len
-        stream = await self.start(self.job_requests(req, [ids], n, max_tokens, n_top, stop_ids), len(ids))
-        out = ChatOutput(self, n, n_top, stop_ids)
+        stream = await self.start(self.job_requests(req, [ids], n, max_tokens, n_top, stop_ids, grammar), len(ids))
+        out = ChatOutput(self, n, n_top, stop_ids, tooled)
         if req.stream:
             return self.sse(stream, out, req.stream_options and req.stream_options.include_usage)
         return out.response(await collect(stream, request))
@@ -222,6 +241,29 @@ async def collect(stream: JobStream, request: Request) -> dict[int, list[Chunk]]
     finally:
         watcher.cancel()
     return chunks
+
+
+def message_dict(m: Message, index: int) -> dict:
+    """A request's message as the chat template (through tools.prepare) reads it."""
+    out = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m, index)}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+    return out
+
+
+def tool_error_param(message: str) -> str | None:
+    """The request field a ToolError's message is about (it starts by naming it)."""
+    if message.startswith("tool_choice"):
+        return "tool_choice"
+    if message.startswith("tools"):
+        return "tools"
+    return "messages"
 
 
 def message_text(m: Message, index: int) -> str:
@@ -331,7 +373,17 @@ class Output:
 
 
 class ChatOutput(Output):
+    """Each choice's text goes through its own parser (the request's): reasoning, content and tool calls come out as
+    OpenAI's fields; a reply with calls finishes with "tool_calls", one whose last call the budget cut with
+    "length" (the cut call is left out of a whole reply; a stream has sent its pieces)."""
     kind, id_prefix = "chat.completion", "chatcmpl"
+
+    def __init__(self, completions: Completions, n: int, n_top: int | None, stop_ids: frozenset[int],
+                 request: ToolRequest):
+        super().__init__(completions, n, n_top, stop_ids)
+        self.request = request
+        self.parsers: dict = {}
+        self.calls: dict[int, list[Delta]] = defaultdict(list)     # each choice's call begins and cuts so far
 
     def logprobs(self, scored: list) -> dict:
         text = self.token_text
@@ -348,15 +400,25 @@ class ChatOutput(Output):
                   "finish_reason": None}] for i in range(self.n)]
 
     def deltas(self, index: int, chunk: Chunk) -> list[list[dict]]:
-        out = []
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = self.request.parser()
+        pieces = parser.feed(chunk.text) if chunk.text else []
+        if chunk.finish_reason is not None:
+            pieces += parser.close()
+        self.calls[index] += [d for d in pieces if d.kind in ("call", "incomplete")]
+        choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                   for delta in map(openai_delta, pieces) if delta is not None]
         scored = self.scored(chunk)
-        if chunk.text or scored:
-            out.append([{"index": index, "delta": {"content": chunk.text},
-                         "logprobs": self.logprobs(scored) if self.n_top is not None else None,
-                         "finish_reason": None}])
+        if self.n_top is not None and scored:       # the chunk's tokens' logprobs ride on its first delta
+            if not choices:
+                choices.append({"index": index, "delta": {"content": ""}, "finish_reason": None})
+            choices[0]["logprobs"] = self.logprobs(scored)
+        out = [[c] for c in choices]
         if chunk.finish_reason is not None:
             self.finals[index] = chunk
-            out.append([{"index": index, "delta": {}, "logprobs": None, "finish_reason": chunk.finish_reason}])
+            out.append([{"index": index, "delta": {}, "logprobs": None,
+                         "finish_reason": finish_reason(self.calls[index], chunk.finish_reason)}])
         return out
 
     def response(self, chunks: dict[int, list[Chunk]]) -> dict:
@@ -364,14 +426,34 @@ class ChatOutput(Output):
         for index in sorted(chunks):
             cs = chunks[index]
             self.finals[index] = cs[-1]
+            parser = self.request.parser()
+            pieces = parser.feed("".join(c.text for c in cs)) + parser.close()
+            reply = Reply.of(pieces)
+            message = {"role": "assistant", "content": reply.content or (None if reply.calls else ""),
+                       "tool_calls": [c.spec() for c in reply.calls] or None}
+            if reply.reasoning:
+                message["reasoning_content"] = reply.reasoning
             choices.append({
-                "index": index,
-                "message": {"role": "assistant", "content": "".join(c.text for c in cs), "tool_calls": None},
+                "index": index, "message": message,
                 "logprobs": (self.logprobs([lp for c in cs for lp in self.scored(c)])
                              if self.n_top is not None else None),
-                "finish_reason": cs[-1].finish_reason})
+                "finish_reason": finish_reason(pieces, cs[-1].finish_reason)})
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,
                 "system_fingerprint": None, "choices": choices, "usage": self.usage()}
+
+
+def openai_delta(d: Delta) -> dict | None:
+    """A parser's piece as the `delta` of OpenAI's chunk (None: nothing to send)."""
+    if d.kind == "content":
+        return {"content": d.text}
+    if d.kind == "reasoning":
+        return {"reasoning_content": d.text}
+    if d.kind == "call":
+        return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                "function": {"name": d.name, "arguments": ""}}]}
+    if d.kind == "arguments":
+        return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+    return None
 
 
 class TextOutput(Output):

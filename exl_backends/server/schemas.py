@@ -73,10 +73,29 @@ class ContentPart(Request):
     text: str | None = None
 
 
+class FunctionCall(Request):
+    name: str
+    arguments: str | dict[str, Any] | None = Field(None, description="JSON text of an object (a dict is taken too)")
+
+
+class ToolCallIn(Request):
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class Message(Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this message answers")
+    reasoning_content: str | None = Field(None, description="assistant: its reasoning (templates that read it)")
+
+
+class ChatTemplateKwargs(Request):
+    enable_thinking: bool | None = Field(None, description="false: no reasoning block, where the template "
+                                                           "offers the switch (Qwen3)")
 
 
 class ChatRequest(Samplers):
@@ -96,7 +115,12 @@ class ChatRequest(Samplers):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(None, description='[{"type": "function", "function": {"name", "description", '
+                                                      '"parameters": <JSON schema>}}]')
+    tool_choice: str | dict[str, Any] | None = Field(None, description='"auto" (default with tools), "none", '
+                                                     '"required", or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description="default true: a reply may make several calls")
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     functions: list[Any] | None = None
 
 
@@ -185,10 +209,23 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: None = None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = Field(None, description="the reasoning block's text (templates that think in "
+                                                            "tags); only present when there is some")
 
 
 class ChatChoice(BaseModel):
@@ -208,9 +245,24 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first chunk has its id, type and name (arguments ""); the next ones add argument text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
