@@ -97,7 +97,6 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-@needs_fixtures
 def test_chat_with_tools_gives_valid_calls_streamed_and_not():
     llm = Exl(model=tiny_chat_model(0), max_tokens=80, temperature=1.0, seed=0)
     tool = FunctionTool.from_defaults(fn=multiply)
@@ -120,7 +119,6 @@ def test_chat_with_tools_gives_valid_calls_streamed_and_not():
         llm.get_tool_calls_from_response(llm.chat_with_tools([tool], user_msg="hi", tool_choice="none"))
 
 
-@needs_fixtures
 async def test_function_agent_calls_the_tool_and_finishes():
     from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
     called = []
