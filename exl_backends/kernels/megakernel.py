@@ -1,8 +1,8 @@
 """The decode step's one-row quantized matmuls between two attention calls as one persistent launch (megakernel.cu).
 
 How it is used: while a decode step of one sequence is captured (runner.DecodeGraph), the model runs inside
-`chaining()`. Then every one-row EXL2 matmul (QuantMatmul._small) does not launch its stage_xs and matmul kernels
-but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
+`chaining()`. Then every one-row EXL2 matmul (QuantMatmul._small, through its OneRowMatmul) does not launch its
+stage_xs and matmul kernels but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
 before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
 becomes one launch of
 decode_segment_exl2, which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
 from dataclasses import dataclass
 
@@ -54,6 +53,26 @@ class Op:
     eps: float = 0.0
     grid_x: int = 1
     name: str = ""              # for describe()
+
+
+class OneRowMatmul:
+    """A QuantMatmul's one-row launch pair (stage_xs, then the matmul of `plan`, a quant_matmul.Plan) as chain ops:
+    the plan's Params in device memory (the kernel reads them there), its split partials."""
+
+    def __init__(self, plan, k: int, stage_blocks: int, device: torch.device):
+        self.plan, self.k, self.stage_blocks = plan, k, stage_blocks
+        self.params = torch.from_numpy(plan.params.reshape(1).view(np.uint8).copy()).to(device)
+        self.ws = torch.empty(plan.ws_floats, dtype=torch.float32, device=device) if plan.ws_floats else None
+
+    def append(self, chain: Chain, x: Tensor, before: tuple, xs: Tensor, ys: list[Tensor]) -> None:
+        """x (one row; before: stage_xs's up, residual, norm_w, new_residual, eps) staged into xs, then ys = x @ W^T."""
+        up, residual, norm_w, new_residual, eps = before
+        name = f"{self.k} x {'+'.join(str(y.shape[-1]) for y in ys)}"
+        chain.append(Op(STAGE, self.stage_blocks * len(ys), 2 * self.k if norm_w is not None else 0, self.params,
+                        dict(x=x, up=up, residual=residual, norm_w=norm_w, new_residual=new_residual, xs=xs), eps,
+                        self.stage_blocks, name))
+        chain.append(Op(MATMUL, self.plan.blocks, self.plan.smem, self.params,
+                        dict(xs=xs, ws=self.ws, **dict(zip(("y0", "y1", "y2"), ys))), name=name))
 
 
 def enabled(device: torch.device) -> bool:
@@ -164,8 +183,3 @@ def describe(ops: list[Op], grid: int) -> str:
         lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then done[{k}] += 1 a block")
     return "\n".join(lines)
 
-
-@functools.cache
-def op_offsets() -> dict[str, int]:
-    """OP_DTYPE's field offsets (a test compares them with the C struct's, compiled on the host)."""
-    return {name: OP_DTYPE.fields[name][1] for name in OP_DTYPE.names}

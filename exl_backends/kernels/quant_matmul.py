@@ -606,15 +606,12 @@ class QuantMatmul:
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
-        # the one-row plan of a megakernel segment: the one-row launch's splits (the same sums in the same order)
-        # in blocks of 8 strips (its CTAs' warps); its Params in device memory, its partials
-        self.segment_plan = self.segment_params = self.segment_ws = None
+        # in a megakernel segment: the one-row launch's splits (the same sums in the same order), 8 strips a block
+        self.segment = None
         if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
             splits = [int(n) for n in self.plans[1].params["part"]["n_splits"][:len(layouts)]]
-            self.segment_plan = staged_plan(layouts, self.biases, self.counters, splits, 1, WARPS)
-            params = self.segment_plan.params.reshape(1).view(np.uint8).copy()
-            self.segment_params = torch.from_numpy(params).to(device)
-            self.segment_ws = torch.empty(max(1, self.segment_plan.ws_floats), dtype=torch.float32, device=device)
+            plan = staged_plan(layouts, self.biases, self.counters, splits, 1, WARPS)
+            self.segment = megakernel.OneRowMatmul(plan, self.k, -(-self.k // CHUNK // WARPS), device)
 
     def __call__(self, x: Tensor, up: Tensor | None = None) -> Tensor:
         """The forward of a single weight."""
@@ -674,9 +671,11 @@ class QuantMatmul:
         """Passes of ROWS_PER_PASS rows of x. before: what stage_xs applies to x as it stages it (PLAIN: nothing),
         for x of at most ROWS_PER_PASS rows (one pass)."""
         m = x.shape[0]
-        chain = megakernel.active() if m == 1 and self.segment_plan is not None else None
-        if chain is not None:
-            return self._chained(chain, x, before)
+        chain = megakernel.active() if m == 1 and self.segment is not None else None
+        if chain is not None:               # two ops of the chain's next launch instead of two launches now
+            ys = [torch.empty(1, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
+            self.segment.append(chain, x, before, self._stage_buffer(1, x.device), ys)
+            return ys
         if before is not PLAIN and m > ROWS_PER_PASS:     # (its tensors cover the first pass only)
             raise ValueError(f"stage_xs applies an op to at most {ROWS_PER_PASS} rows of x in one pass, got {m}")
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
@@ -689,23 +688,6 @@ class QuantMatmul:
                    args=(self.args[rows], self._stage(xs, rows, before), *outs, *nulls,
                          self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
-        return ys
-
-    def _chained(self, chain, x: Tensor, before: tuple) -> list[Tensor]:
-        """One row of x through stage_xs and the matmul, as two ops of a megakernel segment (appended to chain, run
-        at its flush)."""
-        ys = [torch.empty(1, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
-        nulls = [None] * (MAX_PARTS - len(ys))
-        buf, plan, grid_x = self._stage_buffer(1, x.device), self.segment_plan, -(-self.k // CHUNK // WARPS)
-        up, residual, norm_w, new_residual, eps = before
-        name = f"{self.k} x {'+'.join(str(lay.n) for lay in self.layouts)}"
-        chain.append(megakernel.Op(megakernel.STAGE, grid_x * len(ys), 2 * self.k if norm_w is not None else 0,
-                                   self.segment_params, dict(x=x, up=up, residual=residual, norm_w=norm_w,
-                                                             new_residual=new_residual, xs=buf), eps, grid_x, name))
-        outs = dict(zip(("y0", "y1", "y2"), ys + nulls))
-        ws = self.segment_ws if plan.ws_floats else None
-        chain.append(megakernel.Op(megakernel.MATMUL, plan.blocks, plan.smem, self.segment_params,
-                                   dict(xs=buf, ws=ws, **outs), name=name))
         return ys
 
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:

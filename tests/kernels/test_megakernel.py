@@ -8,6 +8,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from kernel_testing import on_gpu
@@ -73,6 +76,24 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path):
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
         mk.OP_DTYPE.itemsize, mk.SEGMENT_DTYPE.fields["done"][1], mk.SEGMENT_DTYPE.fields["n_ops"][1],
         mk.SEGMENT_DTYPE.itemsize]
+
+
+def test_a_one_row_matmul_appends_its_stage_and_matmul():
+    """What QuantMatmul._small appends in a chain: stage_xs's blocks per part and arguments, then the matmul's plan,
+    both reading the plan's Params; outputs beyond the parts stay null."""
+    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64)
+    pair = mk.OneRowMatmul(plan, 4096, 16, torch.device("cpu"))
+    chain = mk.Chain(torch.zeros(26, dtype=torch.int32))
+    x, xs, residual, w, new = (torch.zeros(4096, dtype=torch.float16) for _ in range(5))
+    ys = [torch.zeros(1, 4096, dtype=torch.float16), torch.zeros(1, 1024, dtype=torch.float16)]
+    pair.append(chain, x, (None, residual, w, new, 1e-5), xs, ys)
+    stage, matmul = chain.ops
+    assert (stage.kind, stage.blocks, stage.smem, stage.grid_x, stage.eps) == (mk.STAGE, 32, 8192, 16, 1e-5)
+    assert stage.tensors["x"] is x and stage.tensors["norm_w"] is w and stage.tensors["xs"] is xs
+    assert (matmul.kind, matmul.blocks, matmul.smem, matmul.name) == (mk.MATMUL, 96, 64, "4096 x 4096+1024")
+    assert matmul.tensors["y1"] is ys[1] and "y2" not in matmul.tensors and matmul.tensors["ws"] is None
+    record = mk.segment(chain.ops, 264, torch.zeros(3, dtype=torch.int32))["op"]
+    assert record[1]["first"] == 32 and record[1]["y2"] == 0 and record[0]["params"] == record[1]["params"]
 
 
 def test_chaining_without_counters_changes_nothing():
