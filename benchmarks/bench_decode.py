@@ -78,8 +78,9 @@ def main() -> None:
                     if not r["finite"]:
                         print(f"warning: {shape} decode {mode} ctx {ctx} gives NaN/inf logits")
                     rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", bpw=4.0, context=ctx,
-                                     path="megakernel" if flag == "1" else "launch-per-op", tok_s=r["tok_s"],
-                                     replay_tok_s=r["replay_tok_s"], bound=bound, pct=100 * r["tok_s"] / bound))
+                                     cache_mode=mode, batch=1, path="megakernel" if flag == "1" else "launch-per-op",
+                                     tok_s=r["tok_s"], replay_tok_s=r["replay_tok_s"], bound_tok_s=bound,
+                                     pct=100 * r["tok_s"] / bound))
         rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model, 2048)))
         del model
         torch.cuda.empty_cache()
@@ -87,18 +88,18 @@ def main() -> None:
             rows.append(dict(shape=shape, what="transformers bf16 static ctx 256", tok_s=transformers_baseline(shape)))
     out = os.environ.get("OUT")
     if out:
-        Path(out, "bench_decode.json").write_text(json.dumps(dict(run_info(), copy_bw=bw, rows=rows), indent=1))
+        Path(out, "bench_decode.json").write_text(json.dumps(run_info(bw, rows), indent=1))
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
     print(f"{'shape':14} {'what':28} {'path':14} {'tok/s':>9} {'replay':>9} {'bound':>8} {'%':>5}")
     for r in rows:
         print(f"{r['shape']:14} {r['what']:28} {r.get('path', ''):14} {r['tok_s']:9.1f} "
-              f"{r.get('replay_tok_s', float('nan')):9.1f} {r.get('bound', float('nan')):8.1f} "
+              f"{r.get('replay_tok_s', float('nan')):9.1f} {r.get('bound_tok_s', float('nan')):8.1f} "
               f"{r.get('pct', float('nan')):5.1f}")
 
 
-def run_info() -> dict:
-    """What a result file says about its run: GPU, commit (EXL_COMMIT where the tree has no up-to-date .git, as on
-    the device machine), date."""
+def run_info(bandwidth: float, rows: list[dict]) -> dict:
+    """The result file (benchmarks/results/README.md): date, commit (EXL_COMMIT where the tree has no up-to-date
+    .git, as on the device machine), device and copy bandwidth, the command, the rows."""
     commit = os.environ.get("EXL_COMMIT")
     if not commit:
         try:
@@ -106,8 +107,9 @@ def run_info() -> dict:
                                     cwd=Path(__file__).parent).stdout.strip()
         except OSError:
             commit = ""
-    return dict(gpu=torch.cuda.get_device_name(), commit=commit or "unknown",
-                date=datetime.date.today().isoformat(), torch=torch.__version__)
+    return dict(date=datetime.date.today().isoformat(), commit=commit or "unknown",
+                device=dict(name=torch.cuda.get_device_name(), copy_bandwidth=bandwidth), torch=torch.__version__,
+                command=" ".join(["python3", *sys.argv]), results=rows)
 
 if __name__ == "__main__":
     main()
