@@ -96,7 +96,7 @@ class DecodeGraph:
         # one sequence's decode step: its runs of one-row matmuls between attention calls as megakernel launches
         self.segment_counters = None
         if n_rows == 1 and isinstance(model, Model) and megakernel.enabled(dev) and model.chainable():
-            self.segment_counters = megakernel.counters(len(model.blocks) + 2, dev)
+            self.segment_counters = megakernel.counters(len(model.blocks), dev)
         carry = None
         for k, stage in enumerate(model.stages):
             with torch.cuda.device(stage.device):

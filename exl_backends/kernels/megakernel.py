@@ -85,10 +85,11 @@ def enabled(device: torch.device) -> bool:
 _chain: contextvars.ContextVar[Chain | None] = contextvars.ContextVar("exl_megakernel_chain", default=None)
 
 
-def counters(n_segments: int, device: torch.device) -> Tensor:
-    """Zeros for the counters of up to n_segments launches (chaining's `done`; made before a graph capture: a
-    torch.zeros inside one would be a captured memset replayed every step). Each launch leaves its own zero."""
-    return torch.zeros(n_segments * (MAX_OPS + 1), dtype=torch.int32, device=device)
+def counters(n_layers: int, device: torch.device) -> Tensor:
+    """Zeros for the counters of a decode step's launches (chaining's `done`; made before a graph capture: a
+    torch.zeros inside one would be a captured memset replayed every step): one launch ends at each layer's q/k/v,
+    one after the last layer, one for a quantized head. Each launch leaves its own zero."""
+    return torch.zeros((n_layers + 2) * (MAX_OPS + 1), dtype=torch.int32, device=device)
 
 
 @contextlib.contextmanager
