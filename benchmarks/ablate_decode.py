@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import synthetic_model  # noqa: E402
 
-from exl_backends.bench import decode_speed  # noqa: E402
+from exl_backends.commands.bench import decode_speed  # noqa: E402
 from exl_backends.kernels import quant_matmul  # noqa: E402
 
 QM = quant_matmul.QuantMatmul

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.bench import copy_bandwidth, fill_cache
-from exl_backends.cache import KVCache, bytes_per_token
-from exl_backends.config import ModelConfig
-from exl_backends import reference
+from exl_backends.commands.bench import copy_bandwidth, fill_cache
 from exl_backends.kernels import activation, attention, kv_cache, norm
+from exl_backends.model import reference
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache, bytes_per_token
+from exl_backends.model.config import ModelConfig
 
 PAGE_SIZE = 256
 N_LAYERS = 32                   # Llama-3-8B, for the prefill share

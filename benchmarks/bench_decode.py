@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, synthetic_model  # noqa: E402
 
-from exl_backends.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
+from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
 
 
 def transformers_baseline(shape: str, ctx: int = 256, new: int = 64) -> float:

@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import SyntheticLM, WordTokenizer, in_process, random_prompts  # noqa: E402
 from shapes import synthetic_model  # noqa: E402
 
-from exl_backends import Generator, SamplingParams, generator  # noqa: E402
-from exl_backends.batch import Batch, SeqChunk  # noqa: E402
+from exl_backends import Generator, SamplingParams
+from exl_backends.engine import generator  # noqa: E402
+from exl_backends.model.batch import Batch, SeqChunk  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLINGS = {"greedy": GREEDY, "plain": SamplingParams(temperature=0.8, top_p=0.9)}
@@ -162,7 +163,7 @@ def lead_in_ms(gen: Generator, prompt_len: int, prefix_len: int, vocab: int, rou
     """Host time of a cached-prefix first token before its GPU work can start (no profiler, no sync): from submit
     to Runner.forward (the engine: admission, page matching, Batch.build), and to the model's first piece or block
     (the runner's inputs and rope tables). Min over rounds, ms."""
-    from exl_backends import model as model_module, runner as runner_module
+    from exl_backends.model import model as model_module, runner as runner_module
     marks: dict[str, float] = {}
     forward, replay, stage = (runner_module.Runner.forward, runner_module.PrefillGraphs._replay,
                               model_module.Model.stage_forward)
@@ -298,8 +299,8 @@ def step_costs(lm, draft_lm, context: int, ks: list[int], repeats: int) -> dict:
     """decode: ms per token of graph-replayed decoding (the generator's); verify: a step of 1 + k tokens as the
     generator runs it (graph-replayed on CUDA); eager: the same step without a graph; draft: a draft model token
     (graph-replayed decoding)."""
-    from exl_backends.cache import KVCache
-    from exl_backends.runner import Runner
+    from exl_backends.model.cache import KVCache
+    from exl_backends.model.runner import Runner
     pages = -(-(context + max(ks) + 2) // lm.page_size)
     cache = KVCache(lm.exl_config, pages + 1, lm.page_size, lm.cache_mode, lm.device, lm.dtype)
     runner = Runner(lm.model, cache, max_batch=1, max_pages=pages)      # its trash page: the extra one

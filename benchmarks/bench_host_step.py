@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import SyntheticLM, WordTokenizer, random_prompts  # noqa: E402
 from shapes import synthetic_model  # noqa: E402
 
-import exl_backends.generator  # noqa: E402
+import exl_backends.engine.generator  # noqa: E402
 from exl_backends import Generator, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
-GREEDY_OP = exl_backends.generator.greedy
+GREEDY_OP = exl_backends.engine.generator.greedy
 
 
 class StepTimer:
@@ -66,7 +66,7 @@ class StepTimer:
             return progressed
 
         gen._forward, gen._step = timed_forward, timed_step
-        exl_backends.generator.greedy = timed_greedy
+        exl_backends.engine.generator.greedy = timed_greedy
 
 
 def one_round(gen: Generator, prompts: list[list[int]], new_tokens: int) -> None:
@@ -86,7 +86,7 @@ def measure(lm, n: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
         timer = StepTimer(gen, lm.device)
         one_round(gen, random_prompts(n, prompt_len, vocab, seed=2000 + 10 * n + r), new_tokens)
         del gen._forward, gen._step         # back to the class's methods
-        exl_backends.generator.greedy = GREEDY_OP
+        exl_backends.engine.generator.greedy = GREEDY_OP
         host = sorted(timer.host_s)
         row = dict(jobs=n, steps=len(host), mean_ms=1000 * sum(host) / len(host), median_ms=1000 * host[len(host) // 2],
                    us_per_token=1e6 * sum(host) / (len(host) * n))

@@ -23,8 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_multi_gpu import write_model  # noqa: E402
 
-from exl_backends import ExlForCausalLM, Generator, SamplingParams, formats, planner  # noqa: E402
-from exl_backends.config import ModelConfig  # noqa: E402
+from exl_backends import ExlForCausalLM, Generator, SamplingParams, formats
+from exl_backends.model import planner  # noqa: E402
+from exl_backends.model.config import ModelConfig  # noqa: E402
 
 JOBS = 32           # the Generator's default max_batch_size
 

@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import synthetic_moe_model  # noqa: E402
 
-from exl_backends.bench import copy_bandwidth, decode_speed  # noqa: E402
-from exl_backends.cache import bytes_per_token  # noqa: E402
-from exl_backends.ops import ops_for  # noqa: E402
+from exl_backends.commands.bench import copy_bandwidth, decode_speed  # noqa: E402
+from exl_backends.model.cache import bytes_per_token  # noqa: E402
+from exl_backends.model.ops import ops_for  # noqa: E402
 
 
 def _norm_bytes(*tensors) -> int:

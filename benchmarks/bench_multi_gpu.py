@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import BODY_MIX, HEAD_MIX, SHAPES, random_exl2  # noqa: E402
 
 from exl_backends import ExlForCausalLM  # noqa: E402
-from exl_backends.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
+from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
 from exl_backends.formats.exl2_writer import linear_tensors, shard_names  # noqa: E402
 
 FIXTURES = Path(os.environ.get("EXL_FIXTURES", Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "exl2-ref"))

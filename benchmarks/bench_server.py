@@ -93,7 +93,7 @@ def summary(records: list[dict], wall: float) -> dict:
 
 def in_process(gen, prompts: list[list[int]], concurrency: int, max_tokens: int, sampling=None) -> dict:
     """`concurrency` threads share the prompts; each job runs max_tokens tokens (greedy unless `sampling`)."""
-    from exl_backends.sampling import SamplingParams
+    from exl_backends.engine.sampling import SamplingParams
     sampling = sampling or SamplingParams(temperature=0.0)
     records, lock = [], threading.Lock()
 
@@ -193,7 +193,7 @@ def main() -> None:
         print(json.dumps(asyncio.run(drive(spec["url"], spec["prompts"], spec["concurrency"], spec["max_tokens"]))))
         return
 
-    from exl_backends.generator import Generator
+    from exl_backends.engine.generator import Generator
     from exl_backends.server.app import create_app
     levels = [int(c) for c in args.concurrency.split(",")]
     seq = args.prompt_tokens + args.max_tokens

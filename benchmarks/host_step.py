@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import synthetic_model  # noqa: E402
 
-from exl_backends.batch import Batch, SeqChunk  # noqa: E402
-from exl_backends.bench import _cache, fill_cache  # noqa: E402
-from exl_backends.runner import Runner  # noqa: E402
+from exl_backends.commands.bench import _cache, fill_cache  # noqa: E402
+from exl_backends.model.batch import Batch, SeqChunk  # noqa: E402
+from exl_backends.model.runner import Runner  # noqa: E402
 
 
 def main() -> None:

@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import synthetic_model  # noqa: E402
 
-from exl_backends.batch import Batch, SeqChunk  # noqa: E402
-from exl_backends.bench import fill_cache  # noqa: E402
-from exl_backends.cache import KVCache  # noqa: E402
-from exl_backends.runner import MAX_TOKENS, Runner  # noqa: E402
+from exl_backends.commands.bench import fill_cache  # noqa: E402
+from exl_backends.model.batch import Batch, SeqChunk  # noqa: E402
+from exl_backends.model.cache import KVCache  # noqa: E402
+from exl_backends.model.runner import MAX_TOKENS, Runner  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

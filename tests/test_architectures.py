@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exl_backends import ExlForCausalLM, model as model_module, reference
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.config import ARCHITECTURES, ModelConfig
+from exl_backends import ExlForCausalLM
 from exl_backends.errors import CheckpointError, ConfigError, DeviceError, UnsupportedArchitectureError
-from exl_backends.ops import REFERENCE_OPS
+from exl_backends.model import model as model_module, reference
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ARCHITECTURES, ModelConfig
+from exl_backends.model.ops import REFERENCE_OPS
 
 import test_model
 from conftest import REPO, TOKENIZER_DIR, tiny_config
@@ -403,7 +404,7 @@ def cuda_ready() -> bool:
 def test_gpu_logits_match_the_cpu_reference_or_are_refused(tmp_path, name):
     """fp16 on the GPU against the f32 CPU reference; an architecture whose traits the CUDA ops do not cover
     yet is refused at load with a DeviceError naming them."""
-    from exl_backends.ops import ops_for
+    from exl_backends.model.ops import ops_for
     build(tmp_path, name, dtype=torch.float16)
     config = ModelConfig.from_dir(tmp_path)
     if model_module.missing_ops(config, ops_for(torch.device("cuda"))):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from exl_backends.batch import Batch, SeqChunk
+from exl_backends.model.batch import Batch, SeqChunk
 
 
 def random_chunks(rng: random.Random, page_size: int) -> list[SeqChunk]:

@@ -6,8 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exl_backends import bench, parallel
-from exl_backends.model import Model, Stage
+from exl_backends import parallel
+from exl_backends.commands import bench
+from exl_backends.model.model import Model, Stage
 
 from conftest import save_tiny, tiny_config
 

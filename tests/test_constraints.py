@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 pytest.importorskip("llguidance", reason="llguidance (a dependency) is not installed: the GPU machine lacks it")
 
-from exl_backends.constraints import Constraint, GrammarTokenizer
+from exl_backends.engine.constraints import Constraint, GrammarTokenizer
+from exl_backends.engine.sampling import SamplerState, SamplingParams, sample
 from exl_backends.errors import SamplingError
-from exl_backends.sampling import SamplerState, SamplingParams, sample
 
 from conftest import TOKENIZER_DIR
 
@@ -193,7 +193,7 @@ def test_bad_constraints(kwargs, message, grammar_tokenizer):
 @pytest.mark.slow
 def test_smollm2_tokenizer_accepts_its_own_tokenization():
     """A 49k byte-level BPE vocabulary: the tokenizer's own encoding of valid JSON passes the masks."""
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())      # imported on first use, as the quickstart
     grammar_tokenizer = GrammarTokenizer(tokenizer)
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},

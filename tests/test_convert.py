@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 
 from exl_backends import ExlForCausalLM, formats
-from exl_backends.config import ModelConfig
+from exl_backends.commands.evaluate import kl_divergence
 from exl_backends.convert import calibration, job as job_module, pipeline
 from exl_backends.convert.pipeline import ConvertOptions, convert, written_bpw
 from exl_backends.errors import ExlError, UnsupportedArchitectureError
-from exl_backends.evaluate import kl_divergence
 from exl_backends.formats import exl2_writer
-from exl_backends.tensors import TensorStore
+from exl_backends.formats.tensors import TensorStore
+from exl_backends.model.config import ModelConfig
 
 from conftest import FIXTURES, TOKENIZER_DIR, tiny_config
 
@@ -203,7 +203,7 @@ def test_output_has_exactly_the_layout_exllamav2_wrote(tmp_path, model):
 def test_default_calibration_samples_the_model_deterministically(source, tmp_path):
     src, _ = source
     config = ModelConfig.from_dir(src)
-    from exl_backends.hf import load_tokenizer
+    from exl_backends.adapters.hf import load_tokenizer
     tok = load_tokenizer(src)
     a = calibration.sampled(src, config, tok, 2, 1, 24, 1, 7, torch.device("cpu"))
     b = calibration.sampled(src, config, tok, 2, 1, 24, 1, 7, torch.device("cpu"))
@@ -292,7 +292,7 @@ def test_empty_or_too_short_calibration_file(source, tmp_path):
 
 def test_jsonl_calibration(source, tmp_path):
     src, cal = source
-    tok = __import__("exl_backends.hf", fromlist=["load_tokenizer"]).load_tokenizer(src)
+    tok = __import__("exl_backends.adapters.hf", fromlist=["load_tokenizer"]).load_tokenizer(src)
     lines = cal.read_text().splitlines()
     jsonl = tmp_path / "cal.jsonl"
     jsonl.write_text("\n".join(json.dumps({"text": line, "id": i}) for i, line in enumerate(lines)))
@@ -376,7 +376,7 @@ def test_optimizer_finds_the_best_combination_in_the_window():
 
 def test_parquet_calibration(source, tmp_path):
     """Every string column of each row joined with spaces (ExLlamaV2's rule); without pyarrow, a clear error."""
-    from exl_backends.hf import load_tokenizer
+    from exl_backends.adapters.hf import load_tokenizer
     src, cal = source
     tok = load_tokenizer(src)
     file = tmp_path / "cal.parquet"

@@ -15,15 +15,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from exl_backends import ExlForCausalLM, formats, reference
-from exl_backends.config import ARCHITECTURES, ModelConfig
+from exl_backends import ExlForCausalLM, formats
+from exl_backends.commands.evaluate import Scores, score
 from exl_backends.convert import forward, gptq, measure
 from exl_backends.convert.job import Job
 from exl_backends.convert.pipeline import ConvertOptions, convert, written_bpw
 from exl_backends.convert.qparams import distinct
 from exl_backends.errors import UnsupportedArchitectureError
-from exl_backends.evaluate import Scores, score
-from exl_backends.tensors import TensorStore
+from exl_backends.formats.tensors import TensorStore
+from exl_backends.model import reference
+from exl_backends.model.config import ARCHITECTURES, ModelConfig
 
 from conftest import TOKENIZER_DIR, tiny_config
 from test_convert import calibration_text

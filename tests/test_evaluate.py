@@ -1,4 +1,4 @@
-"""Perplexity and KL divergence (exl_backends/evaluate.py) against direct computations with transformers."""
+"""Perplexity and KL divergence (exl_backends/commands/evaluate.py) against direct computations with transformers."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from exl_backends import ExlForCausalLM
+from exl_backends.commands.evaluate import Scores, kl_divergence, perplexity, score, text_tokens, windows
 from exl_backends.errors import ExlError
-from exl_backends.evaluate import Scores, kl_divergence, perplexity, score, text_tokens, windows
 
 from conftest import save_tiny, tiny_config
 

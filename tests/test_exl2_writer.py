@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exl_backends import formats, reference
+from exl_backends import formats
 from exl_backends.convert.gptq import Prepared, exl2_scale, quantize
 from exl_backends.convert.qparams import ATTN_CANDIDATES, HEAD_OPTIONS, MLP_CANDIDATES, QParams
 from exl_backends.convert.quantize import pack_exl2
+from exl_backends.model import reference
 from exl_backends.formats.exl2_writer import (exl2_config, linear_tensors, matrix_bits, pack_linear, save_tensors,
                                               shard_names, write_shards)
-from exl_backends.tensors import TensorStore
+from exl_backends.formats.tensors import TensorStore
 
 from conftest import FIXTURES
 from quant_helpers import pack_stream

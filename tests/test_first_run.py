@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exl_backends import ExlForCausalLM, warmup
+from exl_backends import ExlForCausalLM
+from exl_backends.adapters.hf import load_tokenizer
+from exl_backends.commands import warmup
+from exl_backends.commands.quickstart import CALIBRATION, CALIBRATION_ROWS
 from exl_backends.convert import calibration
 from exl_backends.errors import ExlError
-from exl_backends.hf import load_tokenizer
 from exl_backends.kernels import loader
-from exl_backends.linear import FusedLinear, QuantLinear, cpu_quantized, keep_dense_weights
-from exl_backends.quickstart import CALIBRATION, CALIBRATION_ROWS
+from exl_backends.model.linear import FusedLinear, QuantLinear, cpu_quantized, keep_dense_weights
 
 from conftest import save_tiny, tiny_config
 from quant_helpers import hf_with_weights, quantize_dir, rel_err
@@ -73,7 +74,7 @@ def test_dequantized_once_at_load_or_per_call_when_memory_is_short(exl2_qwen2, m
     units = cpu_quantized(roomy.model.linears())
     assert len(units) == 2 * 4 + 1     # per layer q/k/v, o, gate/up (layer 1: gate alone), down; lm_head
     assert all(kept(u) for u in units)                      # dequantized at load
-    monkeypatch.setattr("exl_backends.model.available_memory", lambda: 1000)
+    monkeypatch.setattr("exl_backends.model.model.available_memory", lambda: 1000)
     short = ExlForCausalLM.from_pretrained(path, device="cpu")
     ids = torch.randint(0, 509, (1, 17), generator=torch.Generator().manual_seed(4))
     assert torch.equal(short(ids).logits, roomy(ids).logits)
@@ -134,9 +135,9 @@ SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", 
 def test_quickstart_measurement_fits_its_model(tmp_path, monkeypatch):
     """The shipped measurement, as the quickstart unpacks it, passes the converter's own check against SmolLM2's
     shapes (every sub-layer, every candidate's bit count), so `--measurement` takes it."""
-    from exl_backends import quickstart
-    from exl_backends.config import ModelConfig
+    from exl_backends.commands import quickstart
     from exl_backends.convert.measure import check_measurement
+    from exl_backends.model.config import ModelConfig
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = quickstart.default_measurement()
     assert path.parent == tmp_path / "exl-backends" and not list(path.parent.glob("*.partial"))

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from exl_backends import ExlForCausalLM, formats
-from exl_backends.batch import Batch, SeqChunk
+from exl_backends.model.batch import Batch, SeqChunk
 
 from conftest import FIXTURES
 from quant_helpers import hf_with_weights, rel_err

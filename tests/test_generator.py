@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from exl_backends import ExlForCausalLM
+from exl_backends.engine.generator import Generator, template_stop_ids
+from exl_backends.engine.sampling import SamplingParams
 from exl_backends.errors import ContextLengthError, SamplingError
-from exl_backends.generator import Generator, template_stop_ids
-from exl_backends.sampling import SamplingParams
 
 from conftest import save_tiny, tiny_config
 

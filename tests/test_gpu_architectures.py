@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.config import ModelConfig
-from exl_backends.model import Model, missing_ops
-from exl_backends.runner import Runner
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.model import Model, missing_ops
+from exl_backends.model.runner import Runner
 
 import test_architectures
 from quant_helpers import rel_err
@@ -75,7 +75,7 @@ def test_gpu_logits_match_the_cpu_reference(checkpoints, name, fmt, graphs):
     config = ModelConfig.from_dir(path)
     if name in HEAD_DIM_256:
         assert config.head_dim == 256 and config.attn_scale == 144 ** -0.5
-    from exl_backends.ops import ops_for
+    from exl_backends.model.ops import ops_for
     assert missing_ops(config, ops_for(torch.device("cuda"))) == []
     ids = decisive_ids(path, (PREFILL + DECODE,)).tolist()
     cpu = run(Model.load(path, config, "cpu", torch.float32), ids, graphs=False)

@@ -127,9 +127,9 @@ def test_captures_run_without_automatic_garbage_collection(monkeypatch):
 def test_prefill_pieces_replay_the_eager_logits(cache_mode):
     """Steps that no decode graph takes (prompts, and a prompt chunk beside a decode row) through the captured
     pieces around eager attention give the eager forward's logits; padding rows leave the sequences' cache alone."""
-    from exl_backends.batch import Batch, SeqChunk
-    from exl_backends.cache import KVCache
-    from exl_backends.runner import Runner
+    from exl_backends.model.batch import Batch, SeqChunk
+    from exl_backends.model.cache import KVCache
+    from exl_backends.model.runner import Runner
     lm = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
                                         max_seq_len=1024, cache_mode=cache_mode)
     model = lm.model

@@ -14,7 +14,7 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, L
                           TemperatureLogitsWarper, TextIteratorStreamer, TextStreamer, pipeline)
 
 from exl_backends import ExlForCausalLM
-from exl_backends.config import ModelConfig
+from exl_backends.model.config import ModelConfig
 
 from conftest import FIXTURES, REPO, save_tiny, tiny_config
 
@@ -174,7 +174,7 @@ def test_pipeline_text_generation_equals_transformers(fp16_tiny):
 
 def test_auto_model_loads_exl2_onto_our_layers():
     import exl_backends  # noqa: F401  (registers the plugin; already imported here, as it is in any user's code)
-    from exl_backends.hf_quantizer import Exl2Config, Exl2Linear
+    from exl_backends.adapters.hf_quantizer import Exl2Config, Exl2Linear
     hf = AutoModelForCausalLM.from_pretrained(EXL2_DIR, dtype=torch.float32)
     assert hf.is_quantized and isinstance(hf.config.quantization_config, Exl2Config)
     assert isinstance(hf.model.layers[0].mlp.down_proj, Exl2Linear) and isinstance(hf.lm_head, Exl2Linear)
@@ -202,8 +202,8 @@ def test_auto_model_loads_a_tied_quantized_head_and_equals_ours(tied_exl2):
     """transformers marks the tied head's `weight` when it builds the model, before our layers replace it: loading
     once failed with "Exl2Linear has no attribute `weight`". The head stays the checkpoint's quantized tensor."""
     import exl_backends  # noqa: F401
-    from exl_backends.hf_quantizer import Exl2Linear
-    from exl_backends.tensors import read_header
+    from exl_backends.adapters.hf_quantizer import Exl2Linear
+    from exl_backends.formats.tensors import read_header
     assert json.loads((tied_exl2 / "config.json").read_text())["tie_word_embeddings"] is True
     assert "lm_head.q_weight" in read_header(tied_exl2 / "output.safetensors")
     hf = AutoModelForCausalLM.from_pretrained(tied_exl2, dtype=torch.float32)
@@ -249,7 +249,7 @@ def test_registration_is_lazy_and_order_free():
 
 @pytest.mark.slow
 def test_smollm2_chat_pipeline_and_greedy_batch_equal_transformers():
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     path = default_model_dir()
     ours = ExlForCausalLM.from_pretrained(path, device="cpu", max_seq_len=512)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

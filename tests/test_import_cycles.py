@@ -78,8 +78,8 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 def test_graph_sees_the_package():
     g = graph()
     assert "exl_backends.kernels.quant_matmul" in g
-    assert "exl_backends.model" in g["exl_backends.runner"]       # a module-level relative import
-    assert "exl_backends.kernels.quant_matmul" in g["exl_backends.linear"]    # one inside a function
+    assert "exl_backends.model.model" in g["exl_backends.model.runner"]       # a module-level relative import
+    assert "exl_backends.kernels.quant_matmul" in g["exl_backends.model.linear"]    # one inside a function
 
 
 def test_find_cycle_finds_one():
@@ -106,7 +106,7 @@ def test_kernels_take_tensors_and_plain_values():
     """Kernel launchers reach (directly or not) nothing of the model above them (config, model, ops, ...): only each
     other, the CPU reference they must match, the error types, and the containers of what they compute on (packed
     weights: formats.exl2 / formats.gptq and tensors; the Batch of a forward pass)."""
-    below = {"exl_backends.reference", "exl_backends.errors", "exl_backends.tensors", "exl_backends.batch",
+    below = {"exl_backends.model.reference", "exl_backends.errors", "exl_backends.formats.tensors", "exl_backends.model.batch",
              "exl_backends.formats.exl2", "exl_backends.formats.gptq"}
     g = graph()
     for m in g:

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from exl_backends import ExlForCausalLM
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
 
 from conftest import save_tiny, tiny_config
 
@@ -86,7 +86,7 @@ def test_greedy_generate_equals_transformers(variant):
 def test_cache_copy_moves_slots_in_every_layer_only(mode):
     """KVCache.copy (a reused prefix's partial page into a job's own) in every layer, every field; nothing else
     changes. The layers are views into one tensor per field, so the copy must index the right dimension."""
-    from exl_backends.config import ModelConfig
+    from exl_backends.model.config import ModelConfig
     config = ModelConfig.from_dict(dict(
         architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, num_hidden_layers=3, vocab_size=256, rms_norm_eps=1e-5,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from exl_backends.cache import PagePool
-from exl_backends.pages import PageManager, page_hashes
+from exl_backends.engine.pages import PageManager, page_hashes
+from exl_backends.model.cache import PagePool
 
 
 def test_page_hashes_chain_over_the_prefix():

@@ -106,8 +106,8 @@ def test_cupy_gives_the_cufunction_the_loader_launches():
 def test_the_first_launch_may_come_inside_a_graph_capture():
     """The probe for programmatic launches needs no sync, so a process whose first programmatic launch is being
     captured (bench_matmul's was) still captures, and keeps programmatic launches."""
-    from exl_backends import reference
     from exl_backends.kernels import activation, loader
+    from exl_backends.model import reference
     loader._use_pdl.cache_clear()
     loader._pdl_works.cache_clear()
     x = torch.randn(3, 1001, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) * 5

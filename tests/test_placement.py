@@ -7,13 +7,14 @@ import re
 import pytest
 import torch
 
-from exl_backends import ExlForCausalLM, Generator, formats, placement, planner
-from exl_backends.config import ModelConfig
+from exl_backends import ExlForCausalLM, Generator, formats
 from exl_backends.errors import OutOfMemoryPlanError
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.model import Model, Stage
-from exl_backends.placement import SplitCosts, place
+from exl_backends.model import placement, planner
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.model import Model, Stage
+from exl_backends.model.placement import SplitCosts, place
 
 from conftest import save_tiny, tiny_config
 from quant_helpers import quantize_dir

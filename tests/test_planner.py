@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exl_backends import ExlForCausalLM, formats, info, planner
-from exl_backends.cache import KVCache
-from exl_backends.config import ModelConfig
+from exl_backends import ExlForCausalLM, formats
+from exl_backends.commands import info
 from exl_backends.errors import OutOfMemoryPlanError
-from exl_backends.linear import Linear
-from exl_backends.model import Model
+from exl_backends.model import planner
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.linear import Linear
+from exl_backends.model.model import Model
 
 from conftest import FIXTURES, save_tiny, tiny_config
 from quant_helpers import quantize_dir
@@ -76,7 +78,7 @@ def test_weight_bytes_equal_the_loaded_tensors(dirs):
 
 
 def _all_linears(config, d):
-    from exl_backends import model
+    from exl_backends.model import model
     out = list(model.linears(config))
     if not model.head_is_tied(formats.open_checkpoint(d).store, config):
         out.append(("lm_head", config.hidden_size, config.vocab_size, False))

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-import exl_backends.quickstart
+import exl_backends.commands.quickstart
 from tiny_chat_model import tiny_chat_model
 
 from conftest import REPO
@@ -25,7 +25,7 @@ def not_run(block: str) -> str | None:
 
 def run(block: str, model_dir: str, monkeypatch) -> dict:
     """exec of the block as written, its placeholder paths and the default model's directory set to model_dir."""
-    monkeypatch.setattr(exl_backends.quickstart, "default_model_dir", lambda: model_dir)
+    monkeypatch.setattr(exl_backends.commands.quickstart, "default_model_dir", lambda: model_dir)
     namespace: dict = {}
     exec(compile(PLACEHOLDER.sub(repr(model_dir), block), "README.md", "exec"), namespace)
     return namespace
@@ -59,7 +59,7 @@ def test_first_snippet_on_the_default_model_returns_valid_json_quickly(monkeypat
     import jsonschema
     block = BLOCKS[0]
     assert "default_model_dir()" in block and "json_schema=user" in block
-    ns = run(block, str(exl_backends.quickstart.default_model_dir()), monkeypatch)
+    ns = run(block, str(exl_backends.commands.quickstart.default_model_dir()), monkeypatch)
     out = ns["out"]
     assert out.finish_reason == "stop" and len(out.token_ids) <= 32, (out.finish_reason, out.text)
     jsonschema.validate(json.loads(out.text), ns["user"])

@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from exl_backends import generator as generator_module
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.config import ModelConfig
+from exl_backends.engine import generator as generator_module
 from exl_backends.kernels.attention import ROW_KERNEL_MAX_NEW
-from exl_backends.model import Model
-from exl_backends.runner import MAX_TOKENS, PrefillGraphs, Runner
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.model import Model
+from exl_backends.model.runner import MAX_TOKENS, PrefillGraphs, Runner
 
 from conftest import save_tiny, tiny_config
 from test_speculative import repetitive_prompts, run

@@ -11,9 +11,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
-from exl_backends import sampling
+from exl_backends.engine import sampling
+from exl_backends.engine.sampling import SamplerState, SamplingParams, draw, greedy, probs, sample, sample_rows
 from exl_backends.errors import SamplingError
-from exl_backends.sampling import SamplerState, SamplingParams, draw, greedy, probs, sample, sample_rows
 
 from conftest import TOKENIZER_DIR
 

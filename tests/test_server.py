@@ -526,7 +526,7 @@ def test_exl_serve_takes_one_way_of_drafting(capsys):
 
 @pytest.mark.slow
 def test_smollm2_answers_through_the_server():
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     try:
         path = default_model_dir()
     except FileNotFoundError as e:

@@ -16,9 +16,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 
 from exl_backends import ExlForCausalLM, Generator, SamplingParams  # noqa: E402
-from exl_backends.generator import template_stop_ids  # noqa: E402
+from exl_backends.engine.generator import template_stop_ids  # noqa: E402
+from exl_backends.engine.tools import prepare  # noqa: E402
 from exl_backends.server.app import create_app  # noqa: E402
-from exl_backends.tools import prepare  # noqa: E402
 
 from conftest import needs_fixtures  # noqa: E402
 from serving import THINKING_TEMPLATE, running, save_chat_model  # noqa: E402
@@ -225,7 +225,7 @@ def test_reasoning_is_split_out_streamed_and_not(thinking):
 @pytest.mark.slow
 def test_default_model_tool_round_trip_through_the_openai_client():
     """Call -> tool result -> answer on the default model, streamed and not (the same greedy reply both ways)."""
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     try:
         path = default_model_dir()
     except FileNotFoundError as e:

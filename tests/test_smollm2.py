@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from exl_backends import ExlForCausalLM
-from exl_backends.quickstart import chat_prompt, default_model_dir
+from exl_backends.commands.quickstart import chat_prompt, default_model_dir
 
 from conftest import WIKITEXT
 
@@ -40,7 +40,7 @@ def test_chat_answer_names_paris(smollm2):
 
 
 def test_quickstart_runs_the_exl2_conversion_and_answers_paris(capsys):
-    from exl_backends import quickstart
+    from exl_backends.commands import quickstart
     answer = quickstart.run(device="cpu", max_new_tokens=24)
     assert "Paris" in answer
     config = (quickstart.default_exl2_dir("cpu") / "config.json").read_text()

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from exl_backends import ExlForCausalLM
+from exl_backends.engine.generator import Generator
+from exl_backends.engine.sampling import SamplerState, SamplingParams, probs
+from exl_backends.engine.speculative import NgramIndex, verify
 from exl_backends.errors import SamplingError
-from exl_backends.generator import Generator
-from exl_backends.sampling import SamplerState, SamplingParams, probs
-from exl_backends.speculative import NgramIndex, verify
 
 from conftest import save_tiny, tiny_config
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from exl_backends import ExlForCausalLM
-from exl_backends.detokenizer import Detokenizer, find_first, partial_start
-from exl_backends.generator import Generator
+from exl_backends.engine.detokenizer import Detokenizer, find_first, partial_start
+from exl_backends.engine.generator import Generator
 
 from conftest import save_tiny, tiny_config
 

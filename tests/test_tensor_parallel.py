@@ -16,12 +16,12 @@ import torch
 
 from exl_backends import parallel
 from exl_backends.errors import ConfigError
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.config import ModelConfig
 from exl_backends.formats.synthetic import random_exl2, random_gptq
-from exl_backends.linear import QuantLinear
-from exl_backends.model import Model
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.linear import QuantLinear
+from exl_backends.model.model import Model
 
 from conftest import REPO, save_tiny, tiny_config
 from quant_helpers import quantize_dir
@@ -184,7 +184,7 @@ def greedy(m, eager: bool, steps: int = 5) -> tuple[list[list[int]], torch.Tenso
     (each sequence its newest token and two more: a graph of 3 tokens per sequence). Returns the tokens (the
     verify step's argmaxes last), the last decode step's logits and the graph shapes used (a q8 cache: codes per
     head, alike on every rank)."""
-    from exl_backends.runner import Runner
+    from exl_backends.model.runner import Runner
     cache = KVCache(m.config, 7, 256, "q8", dtype=torch.float32)
     runner = Runner(m, cache, max_batch=4, max_pages=2, eager=eager)
     prompts = [list(range(3, 40)), [7, 8, 9, 400], [11, 12, 13, 14, 15, 16]]
@@ -222,7 +222,7 @@ def rank_zero_model(rank: int, world: int, init_method: str, path: str):
 def graph_worker(rank: int, world: int, init_method: str, path: str, out_file: str) -> None:
     """Rank 0 decodes through a Runner over the TensorParallelModel (graph stand-ins, then eagerly) and runs
     `exl bench`'s report; rank 1 follows."""
-    from exl_backends import bench
+    from exl_backends.commands import bench
     tp = rank_zero_model(rank, world, init_method, path)
     if tp is None:
         return
@@ -295,7 +295,8 @@ def shard_bytes(m: Model) -> int:
 
 @pytest.mark.parametrize("name", ["fp16", "exl2", "gptq"])
 def test_rank_footprint_covers_each_loaded_shard(dirs, name):
-    from exl_backends import formats, planner
+    from exl_backends import formats
+    from exl_backends.model import planner
     config, ckpt = ModelConfig.from_dir(dirs[name]), formats.open_checkpoint(dirs[name])
     fp = parallel.rank_footprint(ckpt, config, 2, "fp16", torch.float16)
     for r in range(2):
@@ -429,7 +430,7 @@ def test_gpu_tensor_parallel_graph_replay_equals_eager_and_one_gpu(dirs, cache_m
     token did: 399 for 233): each job's first token is one GPU's choice or within 0.05 nats of it in one GPU's
     distribution (test_gpu_tensor_parallel_logits_and_tokens_equal_one_gpu compares the logits)."""
     from exl_backends import ExlForCausalLM, Generator
-    from exl_backends.runner import DecodeGraphs
+    from exl_backends.model.runner import DecodeGraphs
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40))]
     lengths = [12, 4, 8]
 

@@ -1,4 +1,4 @@
-"""Tool calling and reasoning output (exl_backends/tools.py) on a tiny random chat model: forced calls always parse
+"""Tool calling and reasoning output (exl_backends/engine/tools.py) on a tiny random chat model: forced calls always parse
 and validate, the choices (auto, none, required, named) hold, streamed pieces reassemble to the whole reply, tool
 results go back through the template, reasoning never leaks into content, bad input is refused by name, and
 constrained output closes itself before max_new_tokens."""
@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from exl_backends import ExlForCausalLM, Generator, SamplingParams
-from exl_backends.generator import template_stop_ids
-from exl_backends.tools import ChatFormat, Reply, ToolError, parse_tools, prepare
+from exl_backends.engine.generator import template_stop_ids
+from exl_backends.engine.tools import ChatFormat, Reply, ToolError, parse_tools, prepare
 
 from conftest import needs_fixtures
 from serving import THINKING_TEMPLATE, save_chat_model
@@ -120,7 +120,7 @@ def boosted(gen, text: str, bias: float) -> SamplingParams:
 
 
 def accepts(gen, grammar: str, text: str) -> bool:
-    from exl_backends.constraints import Constraint, GrammarTokenizer
+    from exl_backends.engine.constraints import Constraint, GrammarTokenizer
     matcher = Constraint(GrammarTokenizer(gen.tokenizer), grammar=grammar)._matcher
     ids = matcher_ids = GrammarTokenizer(gen.tokenizer).ll.tokenize_str(text)
     return matcher.validate_tokens(ids) == len(matcher_ids) and matcher.consume_tokens(ids) and matcher.is_accepting()

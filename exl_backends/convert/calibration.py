@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from ..batch import Batch, SeqChunk
-from ..cache import KVCache
-from ..config import ModelConfig
 from ..errors import ExlError
-from ..model import Model
-from ..ops import REFERENCE_OPS
+from ..model.batch import Batch, SeqChunk
+from ..model.cache import KVCache
+from ..model.config import ModelConfig
+from ..model.model import Model
+from ..model.ops import REFERENCE_OPS
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet", ".safetensors")
 MAX_TEXT_CHARS = 64 * 1024 * 1024      # a larger file is read up to here; that is far more than any row count needs

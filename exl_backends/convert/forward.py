@@ -17,12 +17,13 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from .. import formats, model, reference
-from ..batch import Batch, SeqChunk
-from ..config import ModelConfig
-from ..model import Block, LinearSpec, Rope, token_seq_lens
-from ..ops import REFERENCE_OPS
-from ..tensors import TensorStore
+from .. import formats
+from ..formats.tensors import TensorStore
+from ..model import model, reference
+from ..model.batch import Batch, SeqChunk
+from ..model.config import ModelConfig
+from ..model.model import Block, LinearSpec, Rope, token_seq_lens
+from ..model.ops import REFERENCE_OPS
 from .gptq import Hessian
 from .qparams import ATTN_CANDIDATES, MLP_CANDIDATES, QParams
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import reference
 from ..errors import ExlError
+from ..model import reference
 from .gptq import Prepared, gptq_sym_scale, quantize
 from .qparams import QParams
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import reference
-from ..config import ModelConfig
 from ..errors import ExlError
-from ..mlp import MoeMlp
-from ..ops import REFERENCE_OPS
+from ..model import reference
+from ..model.config import ModelConfig
+from ..model.mlp import MoeMlp
+from ..model.ops import REFERENCE_OPS
 from . import forward
 from .forward import Context, Kind, Layer, Sublayer
 from .gptq import EXL2_DAMP, Hessian, Prepared, exl2_scale, prepare, quantize

@@ -16,13 +16,13 @@ import torch
 from tqdm import tqdm
 
 from .. import formats
-from ..config import ModelConfig
 from ..errors import DeviceError, ExlError, UnsupportedArchitectureError
+from ..model.config import ModelConfig
 from ..formats.exl2_writer import (copy_file, copy_support_files, exl2_config, with_top_level_rope, write_json,
                                    write_shards)
-from ..loading import load_tokenizer
-from ..model import attention_linears, mlp_linears, norm_names, validate
-from ..tensors import TensorStore
+from ..formats.tensors import TensorStore
+from ..model.loading import load_tokenizer
+from ..model.model import attention_linears, mlp_linears, norm_names, validate
 from . import calibration, forward, receipt
 from .forward import Context, quantized_linears
 from .gptq_writer import GptqQuantizer

@@ -11,9 +11,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .. import reference
 from ..errors import ExlError
 from ..formats.exl2_writer import linear_tensors, pack_linear
+from ..model import reference
 from . import forward
 from .forward import Context, Head, Layer
 from .gptq import EXL2_DAMP, Hessian, Prepared, QuantizedLinear, exl2_scale, prepare, quantize

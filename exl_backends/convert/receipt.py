@@ -8,8 +8,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from .. import formats
-from ..config import ModelConfig
-from ..evaluate import Scores, score
+from ..commands.evaluate import Scores, score
+from ..model.config import ModelConfig
 from . import forward
 from .forward import Context
 

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from ..errors import CheckpointError, UnsupportedFormatError
-from ..linear import Linear, QuantLinear
-from ..tensors import FLOAT_DTYPES, TensorStore
+from ..model.linear import Linear, QuantLinear
 from . import exl2, gptq
+from .tensors import FLOAT_DTYPES, TensorStore
 
 SUPPORTED = "fp16/bf16/fp32 safetensors, EXL2 (ExLlamaV2) and GPTQ (2/3/4/8-bit, v1 or v2 zeros)"
 DENSE_FORMATS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

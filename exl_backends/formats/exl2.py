@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import reference
 from ..errors import CheckpointError
-from ..tensors import TensorStore
+from ..model import reference
+from .tensors import TensorStore
 
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .. import reference
 from ..errors import ExlError
+from ..model import reference
 from .exl2 import EXL2_BITS, Exl2Weight, padded
 
 MAX_SHARD_BYTES = 8192 * 1024 * 1024      # ExLlamaV2's default -ss 8192 (MiB)

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import reference
 from ..errors import CheckpointError, UnsupportedFormatError
-from ..tensors import FLOAT_DTYPES, TensorStore
+from ..model import reference
+from .tensors import FLOAT_DTYPES, TensorStore
 
 GPTQ_BITS = (2, 3, 4, 8)
 CONFIG_FILES = ("quantize_config.json", "quant_config.json")   # AutoGPTQ's search order, then config.json

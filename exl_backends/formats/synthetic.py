@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from .. import reference
+from ..model import reference
 from .exl2 import Exl2Weight, padded
 from .gptq import GptqWeight
 

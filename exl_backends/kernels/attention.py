@@ -22,8 +22,8 @@ from torch import Tensor
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
-from ..batch import upload
 from ..errors import ConfigError
+from ..model.batch import upload
 from . import kv_cache
 from .loader import aligned, compute_capability, launch, module
 

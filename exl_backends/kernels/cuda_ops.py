@@ -3,7 +3,7 @@ ops that need no kernel of their own (the embedding gather, and the cos/sin tabl
 A plain mapping of ops.Ops' fields: ops.py bundles it (kernels import nothing of the model above them)."""
 from __future__ import annotations
 
-from .. import reference
+from ..model import reference
 from . import activation, attention, kv_cache, moe, norm, rope
 
 OPS = dict(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .. import reference
+from ..model import reference
 from .matmul_moe import ExpertMatmul
 
 DEVICE_TOKENS = 128       # up to this many tokens (the largest decode batch Runner captures) routing stays on device

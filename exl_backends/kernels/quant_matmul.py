@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import reference
 from ..errors import DeviceError, UnsupportedFormatError
 from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
+from ..model import reference
 from . import activation, megakernel, norm
 from .loader import aligned, compute_capability, launch
 

@@ -7,11 +7,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import formats, model
-from ..config import ModelConfig
+from .. import formats
 from ..errors import ConfigError
 from ..formats.exl2 import padded
-from ..linear import Linear, QuantLinear
+from ..model import model
+from ..model.config import ModelConfig
+from ..model.linear import Linear, QuantLinear
 from .shards import RowParallel, VocabParallelHead, column_shard, head_rows, head_runs, input_partition, row_shard
 
 

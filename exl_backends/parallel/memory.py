@@ -10,11 +10,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .. import cache as kv_cache
-from .. import formats, model, planner
-from ..config import ModelConfig
+from .. import formats
 from ..errors import OutOfMemoryPlanError
 from ..formats.exl2 import padded
+from ..model import cache as kv_cache
+from ..model import model, planner
+from ..model.config import ModelConfig
 from .load import Rank, local_config
 from .shards import head_runs
 
@@ -126,7 +127,7 @@ def plan_memory(ckpt: formats.Checkpoint, config: ModelConfig, me: Rank, group,
                 requested: int | None, cache_mode: str, dtype: torch.dtype) -> RankMemory:
     """Every rank calls this after joining and before loading: each reports its GPU's free memory, then all
     decide alike (so all refuse, or all load for the same context). group: the control channel's gloo group."""
-    from ..placement import device_name
+    from ..model.placement import device_name
     reports = [None] * me.world
     dist.all_gather_object(reports, (planner.free_memory(me.device), device_name(me.device)), group=group)
     budgets, names = [b for b, _ in reports], [n for _, n in reports]

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import formats, model
-from ..batch import Batch, upload
-from ..cache import CACHE_MODES, KVCache, check_mode
-from ..config import ModelConfig
+from .. import formats
 from ..errors import ConfigError, OutOfMemoryPlanError
-from ..loading import default_dtype, hf_loading_arguments, load_tokenizer
-from ..runner import DecodeGraphs
+from ..model import model
+from ..model.batch import Batch, upload
+from ..model.cache import CACHE_MODES, KVCache, check_mode
+from ..model.config import ModelConfig
+from ..model.loading import default_dtype, hf_loading_arguments, load_tokenizer
+from ..model.runner import DecodeGraphs
 from .load import Rank, check_shardable, load_shard, local_config
 from .memory import RankMemory, plan_memory
 

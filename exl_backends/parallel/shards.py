@@ -31,12 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import reference
-from ..config import ModelConfig
 from ..errors import ConfigError
 from ..formats.exl2 import Exl2Weight, padded
 from ..formats.gptq import GptqWeight
-from ..linear import Linear, QuantLinear
+from ..model import reference
+from ..model.config import ModelConfig
+from ..model.linear import Linear, QuantLinear
 
 
 # ----------------------------------------------------------------------------------------------- partitions

@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic.json_schema import models_json_schema
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from ..generator import Generator
+from ..engine.generator import Generator
 from . import errors
 from .auth import ApiKey, Auth
 from .completions import Completions

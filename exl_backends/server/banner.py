@@ -5,8 +5,10 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from .. import formats, info, planner
-from ..generator import Generator
+from .. import formats
+from ..commands import info
+from ..engine.generator import Generator
+from ..model import planner
 from .auth import ApiKey
 
 

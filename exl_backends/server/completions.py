@@ -5,7 +5,7 @@ Prompts are tokenized here, the way Generator.submit would (chat: the tokenizer'
 tokens then also end the reply), so that a prompt over the context is a 400 with the numbers before anything is
 queued. max_tokens is cut to what fits the context (finish_reason "length" there), as the engine does.
 
-Chat goes through the tool-calling core (exl_backends/tools.py), with tools or without: it renders the messages
+Chat goes through the tool-calling core (exl_backends/engine/tools.py), with tools or without: it renders the messages
 (tool calls and tool results included), gives the grammar that makes every call parse and fit its tool's schema,
 and splits each reply, streamed or whole, into reasoning (`reasoning_content`), content and `tool_calls`."""
 from __future__ import annotations
@@ -20,11 +20,11 @@ from collections import defaultdict
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
+from ..engine.generator import Generator, template_stop_ids
+from ..engine.job import Chunk
+from ..engine.sampling import SamplingParams
+from ..engine.tools import Delta, Reply, ToolError, ToolRequest, finish_reason, prepare
 from ..errors import SamplingError
-from ..generator import Generator, template_stop_ids
-from ..job import Chunk
-from ..sampling import SamplingParams
-from ..tools import Delta, Reply, ToolError, ToolRequest, finish_reason, prepare
 from . import errors
 from .engine import Engine, JobStream, QueueFull
 from .errors import APIError, bad_request

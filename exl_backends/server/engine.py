@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ..generator import Generator
-from ..job import Chunk, Job
+from ..engine.generator import Generator
+from ..engine.job import Chunk, Job
 from .metrics import Metrics
 
 

@@ -21,7 +21,7 @@ class Request(BaseModel):
 
 
 class Samplers(Request):
-    """OpenAI's sampling fields and our extra samplers (exl_backends.sampling.SamplingParams, same names)."""
+    """OpenAI's sampling fields and our extra samplers (exl_backends.engine.sampling.SamplingParams, same names)."""
     temperature: float | None = Field(None, ge=0, description="0: greedy. Default 1.")
     top_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)

@@ -11,9 +11,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import formats, planner
-from ..cache import bytes_per_token
+from .. import formats
 from ..errors import ConfigError
+from ..model import planner
+from ..model.cache import bytes_per_token
 from . import auth, banner
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,8 @@ def is_follower(o: ServeOptions) -> bool:
 def serve(o: ServeOptions) -> None:
     import uvicorn
 
-    from ..generator import Generator
-    from ..hf import ExlForCausalLM
+    from ..adapters.hf import ExlForCausalLM
+    from ..engine.generator import Generator
     from .app import create_app
     if o.no_auth and o.api_key:
         raise ConfigError("--api-key and --no-auth contradict each other: give one")

@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from exl_backends.config import ModelConfig
+from exl_backends.model.config import ModelConfig
 
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None, reason="needs CUDA and CuPy")]

@@ -12,12 +12,12 @@ import pytest
 import torch
 from kernel_testing import attention_config, on_gpu, poison_allocator
 
-from exl_backends import reference
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.config import ModelConfig
 from exl_backends.errors import ConfigError
-from exl_backends.model import Model
+from exl_backends.model import reference
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.model import Model
 
 MODES = ["fp16", "q8", "q6", "q4"]
 # (Hkv, H/Hkv, Dh); a group of 12 spans two blocks of 8 query heads
@@ -401,7 +401,7 @@ def test_eager_index_tensors_are_made_once_per_batch():
     """CPU: the short rows and prefill slots the eager path derives are right, shared by every layer's call, and
     not carried over to a copy of the batch on another device."""
     from exl_backends.kernels import attention
-    from exl_backends.model import batch_on
+    from exl_backends.model.model import batch_on
     chunks = [SeqChunk([5, 6, 7], 40, [3, 1, 4]), SeqChunk(list(range(40)), 9, [2, 0, 5, 6]),
               SeqChunk([8], 17, [7, 8])]
     batch = Batch.build(chunks, page_size=16)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from kernel_testing import attention_config, needs_gpu, poison_allocator
 
-from exl_backends import ops, reference
-from exl_backends.cache import KVCache
 from exl_backends.errors import ConfigError
+from exl_backends.model import ops, reference
+from exl_backends.model.cache import KVCache
 
 pytestmark = needs_gpu
 

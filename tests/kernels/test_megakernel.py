@@ -15,13 +15,13 @@ import pytest
 import torch
 from kernel_testing import on_gpu
 
-from exl_backends.batch import Batch, SeqChunk
-from exl_backends.cache import KVCache
-from exl_backends.config import ModelConfig
 from exl_backends.kernels import megakernel as mk
 from exl_backends.kernels.loader import KERNEL_DIR
-from exl_backends.model import Model
-from exl_backends.runner import Runner
+from exl_backends.model.batch import Batch, SeqChunk
+from exl_backends.model.cache import KVCache
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.model import Model
+from exl_backends.model.runner import Runner
 
 from conftest import FIXTURES, needs_fixtures
 
@@ -160,7 +160,7 @@ def test_greedy_generation_is_unchanged_by_the_megakernel(monkeypatch):
 @on_gpu
 @needs_fixtures()
 def test_the_printed_schedule_is_the_captured_steps(monkeypatch):
-    from exl_backends.bench import decode_schedule
+    from exl_backends.commands.bench import decode_schedule
     monkeypatch.setenv("EXL_MEGAKERNEL", "1")
     path = FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6"
     model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
@@ -171,7 +171,7 @@ def test_the_printed_schedule_is_the_captured_steps(monkeypatch):
 
 def test_the_schedule_command_says_why_it_does_not_apply(tmp_path):
     from conftest import save_tiny, tiny_config
-    from exl_backends.bench import decode_schedule
+    from exl_backends.commands.bench import decode_schedule
     save_tiny(tmp_path, tiny_config("llama"))
     text = decode_schedule(Model.load(tmp_path, ModelConfig.from_dir(tmp_path), "cpu", torch.float32))
     assert text.startswith("decode runs launch-per-op on this model")

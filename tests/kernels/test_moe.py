@@ -6,12 +6,12 @@ import pytest
 import torch
 from kernel_testing import on_gpu, poison_allocator
 
-from exl_backends import reference
-from exl_backends.config import Activation
 from exl_backends.formats.synthetic import random_exl2, random_gptq
-from exl_backends.linear import Linear, QuantLinear
-from exl_backends.mlp import Experts, Mlp
-from exl_backends.ops import REFERENCE_OPS, ops_for
+from exl_backends.model import reference
+from exl_backends.model.config import Activation
+from exl_backends.model.linear import Linear, QuantLinear
+from exl_backends.model.mlp import Experts, Mlp
+from exl_backends.model.ops import REFERENCE_OPS, ops_for
 
 # (hidden, expert intermediate, experts, top_k, renormalize): Mixtral-like and Qwen3-MoE-like, odd chunk counts
 SHAPES = {"mixtral": (320, 736, 8, 2, True), "qwen3_moe": (256, 96, 16, 4, False)}

@@ -22,10 +22,10 @@ from conftest import FIXTURES
 from kernel_testing import on_gpu, poison_allocator
 from safetensors.torch import save_file
 
-from exl_backends import reference
 from exl_backends.formats import exl2, synthetic
+from exl_backends.formats.tensors import TensorStore
 from exl_backends.kernels import quant_matmul as qm
-from exl_backends.tensors import TensorStore
+from exl_backends.model import reference
 
 EXL2_FIXTURE = FIXTURES / "exl2" / "llama_tiny_exl2_2.5bpw_h6"
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from kernel_testing import needs_gpu, poison_allocator
 
-from exl_backends import reference
+from exl_backends.model import reference
 
 pytestmark = needs_gpu
 

@@ -20,8 +20,8 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict
 
-from exl_backends.generator import template_stop_ids
-from exl_backends.tools import Delta, Reply, ToolRequest, finish_reason, prepare
+from exl_backends.engine.generator import template_stop_ids
+from exl_backends.engine.tools import Delta, Reply, ToolRequest, finish_reason, prepare
 from langchain_exl.settings import ExlSettings
 
 ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
@@ -32,12 +32,12 @@ class ChatExl(ExlSettings, BaseChatModel):
     """Chat model running a local EXL2/GPTQ/fp16 model in process.
 
     `ChatExl(model="path/to/dir", max_tokens=256, temperature=0.7)`. Construction is cheap: the weights load on first
-    use, once per process for each directory (`exl_backends.engines`). Prompts are rendered with the tokenizer's chat
+    use, once per process for each directory (`exl_backends.adapters.engines`). Prompts are rendered with the tokenizer's chat
     template; generation ends at the template's end-of-turn tokens, at EOS, at a stop string (cut before it) or at
     max_tokens. Structured output is grammar-constrained (`with_structured_output`). Text only: image, audio or file
     content blocks are refused.
 
-    Tools (`bind_tools`): rendered with the chat template (or exl_backends.tools' generic fallback for a template
+    Tools (`bind_tools`): rendered with the chat template (or exl_backends.engine.tools' generic fallback for a template
     without tools); every call is built by a grammar, so it parses and its arguments fit the tool's schema.
     `tool_choice` "any"/"required"/True or a tool's name forces a call. Calls come back as `AIMessage.tool_calls`
     (`tool_call_chunks` while streaming; finish_reason "tool_calls"). For templates that think in tags (Qwen3,
@@ -180,7 +180,7 @@ def with_raw(llm: Runnable, parser: Runnable) -> Runnable:
 
 
 def openai_tool_choice(choice: dict | str | bool | None, tools: list[dict]) -> dict | str | None:
-    """LangChain's tool_choice forms -> OpenAI's (exl_backends.tools checks the result)."""
+    """LangChain's tool_choice forms -> OpenAI's (exl_backends.engine.tools checks the result)."""
     if choice is None or isinstance(choice, dict) or choice in ("auto", "none", "required"):
         return choice
     if choice is True or choice == "any":

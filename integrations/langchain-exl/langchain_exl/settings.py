@@ -6,7 +6,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from exl_backends import SamplingParams
-from exl_backends.engines import shared_generator
+from exl_backends.adapters.engines import shared_generator
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                    "presence_penalty", "seed")

@@ -20,7 +20,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel
 
 from exl_backends import SamplingParams
-from exl_backends.tools import prepare
+from exl_backends.engine.tools import prepare
 from langchain_exl import ChatExl, ExlLLM
 from tiny_chat_model import tiny_chat_model
 
@@ -256,7 +256,7 @@ def test_default_model_calls_the_tool_with_the_prompts_argument():
     """The standard suite's test_tool_calling question, which a random model cannot answer, on the default model."""
     from langchain_tests.integration_tests.chat_models import magic_function
 
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     try:
         path = default_model_dir()
     except FileNotFoundError as e:

@@ -76,7 +76,7 @@ async def test_async_runs_concurrently_with_the_event_loop():
 
 @pytest.mark.slow
 async def test_default_model_answers_in_every_mode():
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     llm = Exl(model=str(default_model_dir()), max_tokens=12, temperature=0, max_seq_len=1024)
     question = [ChatMessage(role="user", content="What is the capital of France?")]
     assert llm.metadata.context_window == 1024 and llm.metadata.is_chat_model
@@ -146,7 +146,7 @@ async def test_default_model_function_agent_calls_the_tool():
     argument reliably; with two it writes zeros) and finishes."""
     from llama_index.core.agent.workflow import FunctionAgent
 
-    from exl_backends.quickstart import default_model_dir
+    from exl_backends.commands.quickstart import default_model_dir
     called = []
 
     def magic(input: int) -> int:

@@ -3,7 +3,7 @@ the tokenizer's chat template. The async methods wait for the engine in worker t
 free while tokens are computed.
 
 Exl is a FunctionCallingLLM (FunctionAgent, predict_and_call, structured_predict through tools): chat_with_tools
-goes through exl_backends.tools, whose grammar builds every call, so each parses and fits its tool's schema.
+goes through exl_backends.engine.tools, whose grammar builds every call, so each parses and fits its tool's schema.
 Calls come back in message.additional_kwargs["tool_calls"] (OpenAI's form: id, type, function name and arguments
 text), which get_tool_calls_from_response reads; tool results go back as role "tool" messages with
 additional_kwargs["tool_call_id"], as FunctionAgent writes them. Reasoning of templates that think in tags is in
@@ -25,9 +25,9 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from exl_backends import SamplingParams
-from exl_backends.engines import shared_generator
-from exl_backends.generator import template_stop_ids
-from exl_backends.tools import Delta, Reply, ToolRequest, finish_reason, prepare
+from exl_backends.adapters.engines import shared_generator
+from exl_backends.engine.generator import template_stop_ids
+from exl_backends.engine.tools import Delta, Reply, ToolRequest, finish_reason, prepare
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

@@ -61,7 +61,7 @@ class MoeMlp:
         self.router, self.experts, self.top_k, self.renormalize = router, experts, top_k, renormalize
         self.kernel = None
         if getattr(experts[0].down, "kernel", None) is not None:     # quantized experts placed on CUDA
-            from .kernels import moe
+            from ..kernels import moe
             act = ops_for(CUDA).gated(experts[0].activation)
             self.kernel = moe.prepare(experts, act, top_k)
 

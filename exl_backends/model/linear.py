@@ -54,7 +54,7 @@ class QuantLinear:
         self._dense: Tensor | None = None       # CPU path: the dequantized weight, kept once made ...
         self.keep_dense = True                  # ... unless memory is short (keep_dense_weights)
         if weight.device.type == "cuda":
-            from .kernels import quant_matmul    # importing it compiles nothing
+            from ..kernels import quant_matmul    # importing it compiles nothing
             self.weight, self.kernel = None, quant_matmul.prepare(weight, bias)
             self._forward = self.kernel
         else:
@@ -107,7 +107,7 @@ class FusedLinear:
         kernels = [getattr(layer, "kernel", None) for layer in layers]
         self.kernel = None
         if all(k is not None for k in kernels):
-            from .kernels import quant_matmul
+            from ..kernels import quant_matmul
             self.kernel = quant_matmul.fuse(kernels)
         self.stacks = all(isinstance(layer, QuantLinear) and layer.kernel is None for layer in layers)
         self._stacked: tuple[Tensor, Tensor | None] | None = None

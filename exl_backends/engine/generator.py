@@ -37,15 +37,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .batch import Batch, SeqChunk
-from .cache import KVCache
-from .errors import ConfigError, ContextLengthError, SamplingError
+from ..errors import ConfigError, ContextLengthError, SamplingError
+from ..model.batch import Batch, SeqChunk
+from ..model.cache import KVCache
+from ..model.model import Model
+from ..model.runner import Runner
 from .job import Chunk, Completion, Job
-from .model import Model
 from .pages import PageManager
-from .runner import Runner
-from .sampling import (NEG_INF, SampleResult, SamplerState, SamplingParams, broken_row_error, draw, draw_rows, greedy,
-                       probs, sample, sample_rows)
+from .sampling import NEG_INF, SampleResult, SamplerState, SamplingParams, broken_row_error, draw, draw_rows, greedy, probs, sample, sample_rows
 from .scheduler import Scheduler
 from .speculative import DraftModel, NgramIndex, verify
 

@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import Batch, SeqChunk
-from .cache import KVCache, bytes_per_token
-from .generator import copy_to_host
-from .kernels import megakernel
-from .linear import Linear, QuantLinear
-from .mlp import Mlp, MoeMlp
-from .model import Model
-from .parallel import TensorParallelModel
-from .runner import DecodeGraphs, Runner
+from ..engine.generator import copy_to_host
+from ..kernels import megakernel
+from ..model.batch import Batch, SeqChunk
+from ..model.cache import KVCache, bytes_per_token
+from ..model.linear import Linear, QuantLinear
+from ..model.mlp import Mlp, MoeMlp
+from ..model.model import Model
+from ..model.runner import DecodeGraphs, Runner
+from ..parallel import TensorParallelModel
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 * 1024**3) -> float:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from . import formats, model, planner
-from .config import ModelConfig
-from .errors import ConfigError
+from .. import formats
+from ..errors import ConfigError
+from ..model import model, planner
+from ..model.config import ModelConfig
 
 QUALITY_FILE = "quality.json"
 

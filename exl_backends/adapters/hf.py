@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import formats, planner
-from .batch import Batch, SeqChunk
-from .cache import KVCache, check_mode
-from .config import ModelConfig
-from .errors import ConfigError, ContextLengthError
-from .model import Model
-from .loading import default_dtype, hf_loading_arguments, load_tokenizer
-from .placement import plan as plan_split
+from .. import formats
+from ..errors import ConfigError, ContextLengthError
+from ..model import planner
+from ..model.batch import Batch, SeqChunk
+from ..model.cache import KVCache, check_mode
+from ..model.config import ModelConfig
+from ..model.loading import default_dtype, hf_loading_arguments, load_tokenizer
+from ..model.model import Model
+from ..model.placement import plan as plan_split
 
 
 @dataclass
@@ -61,7 +62,7 @@ class ExlForCausalLM:
         if tensor_parallel is not None and tensor_parallel > 1:
             if gpu_split is not None:
                 raise ConfigError("choose gpu_split or tensor_parallel, not both")
-            from . import parallel
+            from .. import parallel
             return parallel.from_pretrained(cls, path, tensor_parallel, device, max_seq_len, cache_mode, dtype,
                                             **hf_kwargs)
         devices = None
@@ -283,7 +284,7 @@ class ExlForCausalLM:
 
     def _generator_for(self, batch_size: int, seq_len: int):
         """A generator with room for batch_size sequences of seq_len tokens, kept for the next call."""
-        from .generator import Generator
+        from ..engine.generator import Generator
         gen = getattr(self, "_generator", None)
         pages = -(-seq_len // self.page_size)
         if gen is None or gen.scheduler.max_batch_size < batch_size or gen.cache.pool.n_pages < batch_size * pages:
@@ -349,7 +350,7 @@ def _refuse_unsupported(**arguments) -> None:
 def _sampling_params(gc, n_rows: int) -> list:
     """One SamplingParams per row: greedy (after repetition penalty) unless do_sample; sampling rows get
     consecutive seeds drawn from torch's global generator."""
-    from .sampling import SamplingParams
+    from ..engine.sampling import SamplingParams
     if not gc.do_sample:
         return [SamplingParams(temperature=0.0, repetition_penalty=gc.repetition_penalty)] * n_rows
     seed = int(torch.randint(0, 2**62, ()))

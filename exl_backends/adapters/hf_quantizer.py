@@ -27,10 +27,10 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, regi
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .errors import CheckpointError
-from .formats.exl2 import Exl2Weight
-from .linear import QuantLinear
-from .tensors import TensorInfo, read_header
+from ..errors import CheckpointError
+from ..formats.exl2 import Exl2Weight
+from ..formats.tensors import TensorInfo, read_header
+from ..model.linear import QuantLinear
 
 EXL2_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
 

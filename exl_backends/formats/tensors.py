@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),

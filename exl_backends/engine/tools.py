@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 
-from .errors import ExlError
+from ..errors import ExlError
 
 
 class ToolError(ExlError, ValueError):

@@ -8,17 +8,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import formats
+from .. import formats
+from ..errors import CheckpointError, DeviceError
+from ..formats.tensors import FLOAT_DTYPES, TensorStore
+from ..kernels import megakernel
 from .attention import Attention
 from .batch import Batch
 from .cache import KVCache
 from .config import Activation, ModelConfig, RopeConfig
-from .errors import CheckpointError, DeviceError
-from .kernels import megakernel
 from .linear import Linear, QuantLinear, available_memory, cpu_quantized, keep_dense_weights
 from .mlp import Mlp, MoeMlp
 from .ops import Ops, ops_for
-from .tensors import FLOAT_DTYPES, TensorStore
 
 LinearSpec = tuple[str, int, int, bool]    # (key, in_features, out_features, has_bias)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .batch import Batch
-from .cache import KVCache
-from .errors import ConfigError
-from .runner import Runner
+from ..errors import ConfigError
+from ..model.batch import Batch
+from ..model.cache import KVCache
+from ..model.runner import Runner
 from .sampling import draw
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .errors import ExlError
+from ..errors import ExlError
 
 SCORE_ROWS = 256       # logits rows turned into log-probabilities at a time (bounds memory for big vocabularies)
 

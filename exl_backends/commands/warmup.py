@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import loader
+from ..kernels import loader
 
 # What every decoder launches on CUDA (norms, rope + cache write, attention, SiLU/GELU and soft-caps), and what a
 # quantized one adds (EXL2/GPTQ matmuls: one-row to 16-row, the tiled GEMMs, dequantization for long prompts). A
@@ -28,7 +28,7 @@ def families_for(model_dir: str | Path | None) -> tuple[str, ...]:
     """The kernel families a model directory's model launches (every family when no directory is given)."""
     if model_dir is None:
         return QUANTIZED_FAMILIES + DECODER_FAMILIES
-    from .formats import detect_format
+    from ..formats import detect_format
     quantized = detect_format(Path(model_dir)) in ("exl2", "gptq")
     return (QUANTIZED_FAMILIES if quantized else ()) + DECODER_FAMILIES
 

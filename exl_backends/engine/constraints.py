@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import SamplingError
+from ..errors import SamplingError
 from .tools import REASONING_TAGS
 
 # Characters a closing search tries, most closing first: a quote ends a string (and opens the shortest value), then

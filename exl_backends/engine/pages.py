@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from itertools import islice
 
-from .cache import PagePool
+from ..model.cache import PagePool
 
 
 def page_hashes(tokens: list[int], page_size: int, n_pages: int, known: list[bytes]) -> list[bytes]:

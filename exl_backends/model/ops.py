@@ -71,5 +71,5 @@ def ops_for(device: torch.device) -> Ops:
 
 @functools.cache
 def _cuda_ops() -> Ops:
-    from .kernels import cuda_ops   # importing compiles nothing; kernels compile on first launch
+    from ..kernels import cuda_ops   # importing compiles nothing; kernels compile on first launch
     return Ops(**cuda_ops.OPS)

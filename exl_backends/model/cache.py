@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
 from . import reference
 from .config import ModelConfig
-from .errors import ConfigError
 
 # mode -> (K bits, V bits); None: fp16. q6 is ExLlamaV2's "Q6": K at 8 bits, V at 4.
 CACHE_MODES: dict[str, tuple[int, int] | None] = {"fp16": None, "q8": (8, 8), "q6": (8, 4), "q4": (4, 4)}
@@ -85,7 +85,7 @@ class KVCache:
         self.pool = PagePool(n_pages)
         self._write = self._write_reference
         if self.device.type == "cuda":
-            from .kernels import attention, kv_cache   # importing them compiles nothing
+            from ..kernels import attention, kv_cache   # importing them compiles nothing
             attention.check_cache(self)
             self._write = kv_cache.writer(self.bits)
         slots, hkv, dh = n_pages * page_size, config.n_kv_heads, config.head_dim

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import SamplingError
+from ..errors import SamplingError
 
 NEG_INF = float("-inf")
 DRY_MAX_MATCH = 50      # longest repeat DRY measures (text-generation-webui's cap; keeps base**n finite)

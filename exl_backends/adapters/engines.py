@@ -17,7 +17,7 @@ def shared_generator(model_dir: str | Path, device: str | None = None, max_seq_l
     with _lock:
         gen = _generators.get(key)
         if gen is None:
-            from .generator import Generator
+            from ..engine.generator import Generator
             from .hf import ExlForCausalLM
             model = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
                                                    cache_mode=cache_mode)

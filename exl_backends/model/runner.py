@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..kernels import megakernel
 from .batch import Batch
 from .cache import KVCache
-from .kernels import megakernel
 from .model import Model, batch_on, on_device, token_seq_lens
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import formats
+from ..errors import ConfigError, OutOfMemoryPlanError
 from . import cache as kv_cache
-from . import formats, model, planner
+from . import model, planner
 from .config import ModelConfig
-from .errors import ConfigError, OutOfMemoryPlanError
 from .model import Stage
 
 log = logging.getLogger(__name__)

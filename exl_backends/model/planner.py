@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import formats
+from ..errors import ConfigError, OutOfMemoryPlanError
 from . import cache as kv_cache
-from . import formats, model
-from .runner import TOKEN_SIZES
+from . import model
 from .config import ModelConfig
-from .errors import ConfigError, OutOfMemoryPlanError
+from .runner import TOKEN_SIZES
 
 PAGE_SIZE = 256
 PREFILL_CHUNK = 2048

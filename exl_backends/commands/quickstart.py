@@ -44,7 +44,7 @@ def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct as an fp16 HF directory in the cache, imported on first use."""
     out = cache_dir() / DEFAULT_NAME
     if not (out / "config.json").is_file():
-        from .formats.gguf import import_gguf
+        from ..formats.gguf import import_gguf
         print(f"importing {DEFAULT_NAME} into {out} (once) ...", file=sys.stderr)
         import_gguf(smollm2_gguf(), out)
     return out
@@ -76,7 +76,7 @@ def default_exl2_dir(device: str | None = None) -> Path:
     out = cache_dir() / f"{DEFAULT_NAME}-exl2-{QUICKSTART_BPW}bpw"
     if not (out / "config.json").is_file():
         import torch
-        from .convert.pipeline import ConvertOptions, convert
+        from ..convert.pipeline import ConvertOptions, convert
         source = default_model_dir()
         on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
         print(f"converting {DEFAULT_NAME} to EXL2 {QUICKSTART_BPW} bpw into {out} (once; "
@@ -113,7 +113,7 @@ class Clock:
 def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int = 64) -> str:
     clock = Clock()
     import torch
-    from . import ExlForCausalLM, Generator, SamplingParams
+    from .. import ExlForCausalLM, Generator, SamplingParams
     clock.lap("imports")
     on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
     if on_gpu:                      # NVRTC compiles the kernels while the GGUF file is read (CPU work)

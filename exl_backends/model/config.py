@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, UnsupportedArchitectureError
+from ..errors import ConfigError, UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, DeviceError
+from ..errors import ConfigError, DeviceError
 
 
 def default_device() -> torch.device:

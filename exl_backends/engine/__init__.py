@@ -1,0 +1,1 @@
+"""The generation engine: jobs, scheduling, pages, sampling, constraints, tool calls, speculative decoding, text."""
