@@ -13,7 +13,7 @@
     NAME(const __grid_constant__ qmm::Params p, const half* x, half* y0, half* y1, half* y2, float* ws)              \
     {                                                                                                                  \
         exl::pdl_trigger();                                                                                           \
-        qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws, blockIdx.x);                                                    \
+        qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws, blockIdx.x, blockDim.x / 32);                                  \
     }
 
 #ifndef QMM_M1_BLOCKS

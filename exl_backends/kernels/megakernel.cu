@@ -5,8 +5,8 @@
 //
 // SEGMENT (the kernel's one argument, by value): ops[0 .. n_ops), each the blocks of one launch it replaces:
 //   STAGE    stage_xs's grid (grid_x, parts, 1) flattened to `blocks` virtual blocks v = part * grid_x + bx;
-//   MATMUL   the one-row matmul's `blocks` blocks (Params planned with 8 strips per block: a CTA here is 256
-//            threads), reading what the STAGE before it staged at xs. EXL2 only for now: a GPTQ instance
+//   MATMUL   the one-row matmul's `blocks` blocks, each of strips_per_block strips (launch-per-op's own plan: a CTA
+//            here is 8 warps, those past strips_per_block idle), reading what the STAGE before it staged at xs. EXL2 only for now: a GPTQ instance
 //            (qmm::Gptq) spills ~370 bytes at the 128 registers of two CTAs per SM (ptxas -v), where gptq_matmul_m1
 //            spills none; GPTQ models keep launch-per-op.
 //   Virtual block v of op k runs on CTA (op.first + v) % gridDim.x: megakernel.py's schedule picks `first` (and
@@ -56,7 +56,7 @@ struct Op {
     int blocks;
     int grid_x;                  // STAGE: blocks per part
     int first;                   // the CTA that runs virtual block 0
-    int pad;
+    int strips_per_block;        // MATMUL: the plan's (<= 8)
 };
 
 struct Segment {
@@ -121,7 +121,7 @@ __device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, in
         qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
                       v / op.grid_x, 0, 1, wait);
     else
-        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, wait);
+        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, op.strips_per_block, wait);
 }
 
 // src into shared memory, every thread taking part (the caller's barrier publishes it).

@@ -38,7 +38,7 @@ MIN_CC = (9, 0)                 # dependent launch (the wait before an op's firs
 OP_DTYPE = np.dtype([(name, np.uint64) for name in
                      ("params", "x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
                     [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
-                     ("first", np.int32), ("pad", np.int32)])
+                     ("first", np.int32), ("strips_per_block", np.int32)])
 SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32), ("pad", np.int32)])
 
 
@@ -53,11 +53,13 @@ class Op:
     eps: float = 0.0
     grid_x: int = 1
     name: str = ""              # for describe()
+    strips_per_block: int = 0   # MATMUL: the plan's
 
 
 class OneRowMatmul:
-    """A QuantMatmul's one-row launch pair (stage_xs, then the matmul of `plan`, a quant_matmul.Plan) as chain ops:
-    the plan's Params in device memory (the kernel reads them there), its split partials."""
+    """A QuantMatmul's one-row launch pair (stage_xs, then the matmul of `plan`, its quant_matmul.Plan for one row)
+    as chain ops: the plan's Params in device memory (the kernel reads them there), its split partials. The same plan
+    (splits, strips per block) as the launch: the same sums in the same order."""
 
     def __init__(self, plan, k: int, stage_blocks: int, device: torch.device):
         self.plan, self.k, self.stage_blocks = plan, k, stage_blocks
@@ -72,7 +74,8 @@ class OneRowMatmul:
                         dict(x=x, up=up, residual=residual, norm_w=norm_w, new_residual=new_residual, xs=xs), eps,
                         self.stage_blocks, name))
         chain.append(Op(MATMUL, self.plan.blocks, self.plan.smem, self.params,
-                        dict(xs=xs, ws=self.ws, **dict(zip(("y0", "y1", "y2"), ys))), name=name))
+                        dict(xs=xs, ws=self.ws, **dict(zip(("y0", "y1", "y2"), ys))),
+                        strips_per_block=self.plan.threads // 32, name=name))
 
 
 def enabled(device: torch.device) -> bool:
@@ -167,8 +170,8 @@ def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
         rec["params"] = op.params.data_ptr()
         for field, t in op.tensors.items():
             rec[field] = 0 if t is None else t.data_ptr()
-        rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"] = op.eps, op.kind, op.blocks, \
-            op.grid_x, first
+        rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"], rec["strips_per_block"] = \
+            op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
     return s
 

@@ -394,24 +394,26 @@ struct PdlWait {
 // Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
 // corrections [K / 32][ROWS]): no x tile and no barrier after the wait, so every warp starts on its weights at once
 // and reads x with them. Shared memory: the split's chunk_meta entries (staged before the wait). A block has one
-// warp per strip, 8 or fewer (blockDim.x / 32: the launcher picks the count that fills the wave best).
+// warp per strip, strips_per_block <= 8 of them (the launcher picks the count that fills the wave best; launch-per-op
+// launches that many warps, a megakernel's 8-warp CTA idles the warps past it).
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters,
-                                                   const Wait& wait = Wait())
+                                                   int strips_per_block, const Wait& wait)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * (blockDim.x / 32) + warp;
+    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * strips_per_block + warp;
+    const bool mine = warp < strips_per_block && strip < pt.strips;
     Stream st;
-    if (strip < pt.strips) {
+    if (mine) {
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
     }
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
-    if (strip >= pt.strips) return;
+    if (!mine) return;
     wait();                                            // x (stage_xs's), ws and the counters
     MatmulSink<Fmt, N8, M1, true> sink;
     const int g = lane / 4, q = lane % 4;
@@ -424,11 +426,11 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
 }
 
 // Block b of the launch of p (the parts laid out in block order; the kernel's blockIdx.x, or a megakernel's
-// virtual block). xs is stage_xs's output for R = 1 (M1), 8 or 16 (N8 = 1, 2) staged rows: the parts' x in stored
-// order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
+// virtual block), of strips_per_block strips (the plan's). xs is stage_xs's output for R = 1 (M1), 8 or 16 (N8 = 1,
+// 2) staged rows: the parts' x in stored order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
-                                       int b, const Wait& wait = Wait())
+                                       int b, int strips_per_block, const Wait& wait = Wait())
 {
     constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, b);
@@ -437,7 +439,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
     const float2* corr =
         reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
     matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
-                                    ws ? ws + pt.ws_offset : ws, pt.counters, wait);
+                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait);
 }
 
 // x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,

@@ -606,12 +606,9 @@ class QuantMatmul:
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
-        # in a megakernel segment: the one-row launch's splits (the same sums in the same order), 8 strips a block
-        self.segment = None
+        self.segment = None                     # the one-row launch pair as megakernel ops
         if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
-            splits = [int(n) for n in self.plans[1].params["part"]["n_splits"][:len(layouts)]]
-            plan = staged_plan(layouts, self.biases, self.counters, splits, 1, WARPS)
-            self.segment = megakernel.OneRowMatmul(plan, self.k, -(-self.k // CHUNK // WARPS), device)
+            self.segment = megakernel.OneRowMatmul(self.plans[1], self.k, -(-self.k // CHUNK // WARPS), device)
 
     def __call__(self, x: Tensor, up: Tensor | None = None) -> Tensor:
         """The forward of a single weight."""

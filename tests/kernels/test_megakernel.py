@@ -81,7 +81,7 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path):
 def test_a_one_row_matmul_appends_its_stage_and_matmul():
     """What QuantMatmul._small appends in a chain: stage_xs's blocks per part and arguments, then the matmul's plan,
     both reading the plan's Params; outputs beyond the parts stay null."""
-    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64)
+    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64, threads=224)
     pair = mk.OneRowMatmul(plan, 4096, 16, torch.device("cpu"))
     chain = mk.Chain(torch.zeros(26, dtype=torch.int32))
     x, xs, residual, w, new = (torch.zeros(4096, dtype=torch.float16) for _ in range(5))
@@ -94,6 +94,7 @@ def test_a_one_row_matmul_appends_its_stage_and_matmul():
     assert matmul.tensors["y1"] is ys[1] and "y2" not in matmul.tensors and matmul.tensors["ws"] is None
     record = mk.segment(chain.ops, 264, torch.zeros(3, dtype=torch.int32))["op"]
     assert record[1]["first"] == 32 and record[1]["y2"] == 0 and record[0]["params"] == record[1]["params"]
+    assert record[1]["strips_per_block"] == 7           # the plan's (threads / 32), not the CTA's 8 warps
 
 
 def test_chaining_without_counters_changes_nothing():
@@ -139,6 +140,37 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
     for _ in range(3):                                           # the counters reset themselves between replays
         assert torch.equal(again.forward(step), plain)
     assert again.graphs.by_shape[1, 1].segment_counters is not None
+
+
+@on_gpu
+@pytest.mark.parametrize("strips_per_block", [8, 7, 5])
+def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkeypatch):
+    """Each op of a segment runs launch-per-op's plan, also where that plan's blocks have fewer strips than the
+    CTA has warps (as small_blocks picks for the 8B gate/up): fused parts whose strip counts are not multiples of
+    the block's, normed and gated staging, several segments from one counters tensor."""
+    from exl_backends.formats import synthetic
+    from exl_backends.kernels import quant_matmul as qm
+    monkeypatch.setenv("EXL_MEGAKERNEL", "1")
+    monkeypatch.setattr(qm, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
+    k = 4128
+    weights = [synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=1),
+               synthetic.random_exl2(k, 300, "0.1:3b_64g/0.9:2b_64g", seed=2)]
+    f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in weights])
+    assert f.plans[1].threads == 32 * strips_per_block and f.segment is not None
+    gen = torch.Generator().manual_seed(strips_per_block)
+    h, residual, up = ((torch.randn(1, k, generator=gen) * s).half().cuda() for s in (1, 4, 1))
+    w = (torch.rand(k, generator=gen) + 0.5).half().cuda()
+    (normed, new), gated = f.forward_normed(h, residual, w, 1e-5), f.forward(h, up)
+    done = mk.counters(2, torch.device("cuda"))
+    for _ in range(2):                                       # the counters reset themselves
+        with mk.chaining(done) as chain:
+            chained_normed, chained_new = f.forward_normed(h, residual, w, 1e-5)
+            mk.flush()
+            chained_gated = f.forward(h, up)
+        assert len(chain.segments) == 2 and all(len(ops) == 2 for ops, _ in chain.segments)
+        assert torch.equal(chained_new, new)
+        assert all(torch.equal(a, b) for a, b in zip(chained_normed + chained_gated, normed + gated))
+        assert done.count_nonzero() == 0
 
 
 @on_gpu

@@ -1,0 +1,145 @@
+"""What a one-row matmul costs inside a megakernel segment against its own launches (docs/megakernel.md).
+
+Per matmul of a Llama block at 4.0 bpw EXL2 (q/k/v after the attention norm, o, gate/up after the MLP norm, down
+after silu * up): the stage_xs + matmul launch pair (launch-per-op) against the same two ops as one segment launch;
+then the whole block's 8 launches against one segment of its 8 ops. Weights rotate over copies of the block, so
+they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also where the GPU puts a persistent grid's
+CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA index.
+
+    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b]
+    ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \
+        --shapes llama-3.2-1b        # each matmul's launches and its segment, twice (scripts/gpu-check segment)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ["EXL_MEGAKERNEL"] = "1"           # QuantMatmul builds its segment ops only when the megakernel is on
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_matmul import copies_for, time_calls  # noqa: E402
+from shapes import BODY_MIX, SHAPES, random_exl2  # noqa: E402
+
+from exl_backends.kernels import megakernel as mk  # noqa: E402
+from exl_backends.kernels import quant_matmul as qm  # noqa: E402
+
+EPS = 1e-5
+
+
+def block_weights(shape: str, gen: torch.Generator) -> dict:
+    """One block's fused matmuls, as the model fuses them."""
+    s = SHAPES[shape]
+    d, inter, hd = s["hidden_size"], s["intermediate_size"], s["hidden_size"] // s["num_attention_heads"]
+
+    def w(k, n):
+        return qm.prepare(random_exl2(k, n, BODY_MIX, "cuda", gen), None)
+    return {"qkv": qm.fuse([w(d, s["num_attention_heads"] * hd), w(d, s["num_key_value_heads"] * hd),
+                            w(d, s["num_key_value_heads"] * hd)]),
+            "o": w(s["num_attention_heads"] * hd, d), "gate_up": qm.fuse([w(d, inter), w(d, inter)]),
+            "down": w(inter, d)}
+
+
+def calls_of(block: dict, inputs: dict) -> dict:
+    """Each matmul as launch-per-op runs it (its staging included)."""
+    h, res, norm_w, attn, gate, up = (inputs[n] for n in ("h", "res", "norm_w", "attn", "gate", "up"))
+    return {"qkv": lambda: block["qkv"].forward_normed(h, res, norm_w, EPS),
+            "o": lambda: block["o"].forward(attn),
+            "gate_up": lambda: block["gate_up"].forward_normed(h, res, norm_w, EPS),
+            "down": lambda: block["down"].forward(gate, up)}
+
+
+def chained(calls: list, done: torch.Tensor):
+    """calls as one segment launch, counters from `done` (a call of its own per launch: mk.MAX_OPS + 1 of them)."""
+    def run():
+        with mk.chaining(done):
+            for f in calls:
+                f()
+    return run
+
+
+def sm_map(grid_per_sm: int = 2) -> list[int]:
+    """The SM of each CTA of a grid of grid_per_sm CTAs per SM, all resident at once (each waits for all to
+    arrive, as a segment's CTAs do), 256 threads each with shared memory that lets only grid_per_sm fit."""
+    import cupy as cp
+    kernel = cp.RawKernel(r"""
+    extern "C" __global__ void where(int* sm, int* arrived, int n) {
+        if (threadIdx.x == 0) {
+            unsigned id; asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+            sm[blockIdx.x] = id;
+            atomicAdd(arrived, 1);
+            while (atomicAdd(arrived, 0) < n) __nanosleep(100);
+        }
+    }""", "where")
+    props = torch.cuda.get_device_properties(0)
+    n = grid_per_sm * props.multi_processor_count
+    smem = (props.shared_memory_per_multiprocessor // grid_per_sm) - 2048
+    kernel.max_dynamic_shared_size_bytes = smem
+    sm, arrived = cp.zeros(n, dtype=cp.int32), cp.zeros(1, dtype=cp.int32)
+    kernel((n,), (256,), (sm, arrived, cp.int32(n)), shared_mem=smem)
+    return sm.get().tolist()
+
+
+def report_sm_map() -> None:
+    sm = sm_map()
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    pairs = sum(sm[c] == sm[c + 1] for c in range(len(sm) - 1))
+    spans = [len(set(sm[c:c + n_sm])) for c in range(0, len(sm) - n_sm + 1, 16)]
+    print(f"CTA -> SM, {len(sm)} CTAs: first 16 {sm[:16]}; neighbours on one SM: {pairs}; distinct SMs in "
+          f"{n_sm} consecutive CTAs: {min(spans)}..{max(spans)} of {n_sm}")
+
+
+def bench_shape(shape: str, eager: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    first = block_weights(shape, gen)
+    nbytes = {name: f.nbytes() for name, f in first.items()}
+    blocks = [first] + [block_weights(shape, gen) for _ in range(copies_for(sum(nbytes.values())) - 1)]
+    s = SHAPES[shape]
+    d, inter = s["hidden_size"], s["intermediate_size"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inputs = {"h": torch.randn(1, d, device="cuda", generator=g).half(),
+              "res": torch.randn(1, d, device="cuda", generator=g).half(),
+              "norm_w": (1 + 0.05 * torch.randn(d, device="cuda", generator=g)).half(),
+              "attn": torch.randn(1, d, device="cuda", generator=g).half(),
+              "gate": torch.randn(1, inter, device="cuda", generator=g).half(),
+              "up": torch.randn(1, inter, device="cuda", generator=g).half()}
+    per_block = [calls_of(b, inputs) for b in blocks]
+    stride = mk.MAX_OPS + 1
+    done = mk.counters(len(blocks) * 5, torch.device("cuda"))
+    rows = []
+    for i, name in enumerate(list(nbytes) + ["block"]):
+        plain = [c[name] for c in per_block] if name != "block" else [f for c in per_block for f in c.values()]
+        ops = [[c[name]] if name != "block" else list(c.values()) for c in per_block]
+        seg = [chained(calls, done[(j * 5 + i) * stride:]) for j, calls in enumerate(ops)]
+        if eager:                                   # for ncu: two launches of each on the first copy, no graph
+            for f in plain[:len(plain) // len(blocks)] * 2 + seg[:1] * 2:
+                f()
+            torch.cuda.synchronize()
+            continue
+        t_plain = time_calls(plain) * len(plain) / len(blocks)           # seconds per copy of the block
+        t_seg = time_calls(seg) * len(seg) / len(blocks)
+        rows.append((name, sum(nbytes.values()) if name == "block" else nbytes[name], t_plain, t_seg))
+    for name, b, t_plain, t_seg in rows:
+        print(f"{shape:13s} {name:8s} {b / 1e6:7.2f} MB  launch-per-op {t_plain * 1e6:7.2f} us "
+              f"({b / t_plain / 1e9:5.0f} GB/s)  segment {t_seg * 1e6:7.2f} us ({b / t_seg / 1e9:5.0f} GB/s)  "
+              f"segment / launch {t_seg / t_plain:5.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
+    ap.add_argument("--eager", action="store_true", help="a few eager launches of each, for ncu")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(0))
+    if not args.eager:
+        report_sm_map()
+    for shape in args.shapes.split(","):
+        bench_shape(shape, args.eager)
+
+
+if __name__ == "__main__":
+    main()
