@@ -17,8 +17,8 @@
 //   first): op k - 1 is complete, and so (its blocks waited in turn) is every op before, so each op reads finished
 //   outputs and no op overwrites what an earlier one still reads, exactly as the launches' stream order guaranteed.
 //   The wait is one acquire load per CTA (which also invalidates the SM's L1: no stale line of a buffer another
-//   CTA wrote is read), passed on to its warps through shared memory; the signal is a block barrier and one release
-//   add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
+//   CTA wrote is read), passed on to its warps by an mbarrier they wait on suspended; the signal is a block barrier
+//   and one release add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
 //
 // WEIGHTS BEFORE THE WAIT. What reads only weights (each op's Params, copied to shared memory; in the blocks, their
 //   chunk metadata and first L2 prefetches) comes before the wait, as launch-per-op does before its dependent-launch
@@ -82,14 +82,18 @@ __device__ __forceinline__ int first_block(const Op& op, int c, int G) { return 
 
 // The wait of op k's blocks (qmm::PdlWait's place): the launch before, then op k - 1's blocks (counter null: op 0).
 // Called per warp (a block's warps may have returned already), but one lane of the CTA polls the counter in device
-// memory (the first to take `poller`), and the others wait for its word in shared memory (`ready`): a poller per warp
-// put 8x the loads on the counter's one L2 line. The poller's acquire (which also invalidates the SM's L1) and the
-// CTA-scope release/acquire of `ready` order the op before's writes before every warp's reads.
+// memory (the first to take `poller`) and then arrives on the op's mbarrier in shared memory; every other warp waits
+// on that mbarrier, suspended: a warp spinning on a shared-memory flag issued instructions all the while, taking
+// issue slots from the other CTA's working warps on the same SM (ncu, 2026-12-06: the 1B block's segment executed
+// 1.49x the instructions of its launches; branch-resolving stalls 3.1 against 0.2). Each op has an mbarrier of its
+// own, used for one phase (parity 0), so a CTA's later blocks of the same op pass at once. The poller's acquire
+// (which also invalidates the SM's L1) and the mbarrier's CTA-scope release/acquire order the op before's writes
+// before every warp's reads.
 struct CounterWait {
     const int* counter;
     int target;
     int* poller;                 // shared memory, zero at the op's start
-    int* ready;
+    unsigned barrier;            // shared-memory address of the op's mbarrier (arrival count 1)
 
     __device__ __forceinline__ void operator()() const
     {
@@ -98,19 +102,22 @@ struct CounterWait {
         if (threadIdx.x % 32 == 0) {
             if (atomicCAS(poller, 0, 1) == 0) {
                 while (load_acquire(counter) < target) __nanosleep(32);
-                asm volatile("st.release.cta.shared.s32 [%0], 1;" ::"r"(smem_address(ready)) : "memory");
-            } else {
-                int r;
-                do {
-                    asm volatile("ld.acquire.cta.shared.s32 %0, [%1];" : "=r"(r) : "r"(smem_address(ready)) : "memory");
-                } while (!r);
+                asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
             }
+            asm volatile(
+                "{\n"
+                ".reg .pred done;\n"
+                "WAIT:\n"
+                "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], 0;\n"
+                "@!done bra WAIT;\n"
+                "}\n" ::"r"(barrier)
+                : "memory");
         }
         __syncwarp();
     }
-
-    __device__ static unsigned smem_address(const int* p) { return (unsigned)__cvta_generic_to_shared(p); }
 };
+
+__device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 // p: the op's Params in shared memory (copy_params): read in place from global memory, every field's first read
 // was an L2 round trip after the wait, where launch-per-op reads them from the constant bank.
@@ -136,8 +143,11 @@ template <class Fmt>
 __device__ void decode_segment(const Segment& s)
 {
     __shared__ qmm::Params params_s;
-    __shared__ int poller_s, ready_s;               // CounterWait's
+    __shared__ int poller_s;                        // CounterWait's
+    __shared__ unsigned long long barriers_s[MAX_OPS];
     const int c = blockIdx.x, G = gridDim.x;
+    if (threadIdx.x < s.n_ops)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
     for (int k = 0; k < s.n_ops; ++k) {
         const Op& op = s.op[k];
         const int v0 = first_block(op, c, G);
@@ -145,9 +155,10 @@ __device__ void decode_segment(const Segment& s)
         // before the wait: the Params, and in the blocks everything that reads only weights (their metadata, the
         // first L2 prefetches), as launch-per-op does before its dependent-launch wait
         copy_params(params_s, op.params);
-        if (threadIdx.x == 0) poller_s = ready_s = 0;
-        __syncthreads();
-        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s, &ready_s};
+        if (threadIdx.x == 0) poller_s = 0;
+        __syncthreads();                               // (also publishes the mbarriers' init, before op 0)
+        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s,
+                               smem_address(barriers_s + k)};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
             run_block<Fmt>(op, params_s, v, wait);
