@@ -6,7 +6,7 @@ then the whole block's 8 launches against one segment of its 8 ops. Weights rota
 they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also where the GPU puts a persistent grid's
 CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA index.
 
-    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b]
+    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,MK_POLL_NS=0]
     ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \
         --shapes llama-3.2-1b        # each matmul's launches and its segment, twice (scripts/gpu-check segment)
 """
@@ -24,6 +24,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_matmul import copies_for, time_calls  # noqa: E402
 from shapes import BODY_MIX, SHAPES, random_exl2  # noqa: E402
+from tune_matmul import use_define  # noqa: E402
 
 from exl_backends.kernels import megakernel as mk  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
@@ -93,7 +94,7 @@ def report_sm_map() -> None:
           f"{n_sm} consecutive CTAs: {min(spans)}..{max(spans)} of {n_sm}")
 
 
-def bench_shape(shape: str, eager: bool) -> None:
+def bench_shape(shape: str, eager: bool, defines: list[str]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     first = block_weights(shape, gen)
     nbytes = {name: f.nbytes() for name, f in first.items()}
@@ -108,6 +109,14 @@ def bench_shape(shape: str, eager: bool) -> None:
               "gate": torch.randn(1, inter, device="cuda", generator=g).half(),
               "up": torch.randn(1, inter, device="cuda", generator=g).half()}
     per_block = [calls_of(b, inputs) for b in blocks]
+    for define in defines:
+        use_define(define, {"megakernel"})          # (megakernel.cu compiled with -D<define>; '' the default)
+        for line in table(shape, blocks, per_block, nbytes, eager):
+            print(f"{line}  {define or 'default'}")
+
+
+def table(shape: str, blocks: list, per_block: list, nbytes: dict, eager: bool) -> list[str]:
+    """Each matmul's launches against its segment, then the whole block's; eager: only run them (for ncu)."""
     stride = mk.MAX_OPS + 1
     done = mk.counters(len(blocks) * 5, torch.device("cuda"))
     rows = []
@@ -123,22 +132,23 @@ def bench_shape(shape: str, eager: bool) -> None:
         t_plain = time_calls(plain) * len(plain) / len(blocks)           # seconds per copy of the block
         t_seg = time_calls(seg) * len(seg) / len(blocks)
         rows.append((name, sum(nbytes.values()) if name == "block" else nbytes[name], t_plain, t_seg))
-    for name, b, t_plain, t_seg in rows:
-        print(f"{shape:13s} {name:8s} {b / 1e6:7.2f} MB  launch-per-op {t_plain * 1e6:7.2f} us "
-              f"({b / t_plain / 1e9:5.0f} GB/s)  segment {t_seg * 1e6:7.2f} us ({b / t_seg / 1e9:5.0f} GB/s)  "
-              f"segment / launch {t_seg / t_plain:5.3f}")
+    return [f"{shape:13s} {name:8s} {b / 1e6:7.2f} MB  launch-per-op {t_plain * 1e6:7.2f} us "
+            f"({b / t_plain / 1e9:5.0f} GB/s)  segment {t_seg * 1e6:7.2f} us ({b / t_seg / 1e9:5.0f} GB/s)  "
+            f"segment / launch {t_seg / t_plain:5.3f}" for name, b, t_plain, t_seg in rows]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
     ap.add_argument("--eager", action="store_true", help="a few eager launches of each, for ncu")
+    ap.add_argument("--defines", default="", help="megakernel.cu variants, comma-separated (-D, '+' between "
+                                                   "several; empty: as it is)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     if not args.eager:
         report_sm_map()
     for shape in args.shapes.split(","):
-        bench_shape(shape, args.eager)
+        bench_shape(shape, args.eager, args.defines.split(","))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ GEMM_BLOCKS, GEMM_STAGES, GEMM_WARP_ROWS = qm.GEMM_RESIDENT, qm.GEMM_STAGES, qm.
 WGMMA_STAGES, WGMMA_DEPTH = qm.WGMMA_STAGES, qm.WGMMA_DEPTH
 
 
-def use_define(define: str) -> None:
-    """Makes the loader compile the quantized-matmul families (qm.FAMILIES) with -D<define> ('+' between several; memoised per define).
+def use_define(define: str, families=qm.FAMILIES) -> None:
+    """Makes the loader compile `families` (the quantized-matmul ones by default) with -D<define> ('+' between several; memoised per define).
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
     QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM_WARP_TILES=n set the GEMM plan's qm.GEMM_RESIDENT,
     qm.GEMM_STAGES (shared memory) and qm.GEMM_WARP_ROWS to match, QMM_WG_STAGES=n and QMM_WG_DEPTH=n the wgmma
@@ -53,7 +53,7 @@ def use_define(define: str) -> None:
 
     @functools.cache
     def module(family, cc):
-        if family not in qm.FAMILIES or not define:
+        if family not in families or not define:
             return original(family, cc)
         cp = loader.cupy()
         source = f'#line 1 "{family}.cu"\n' + (loader.KERNEL_DIR / f"{family}.cu").read_text()

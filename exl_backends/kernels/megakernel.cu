@@ -33,6 +33,19 @@
 // sm_90+ only (megakernel.py uses launch-per-op elsewhere).
 #include "qmm_rows.cuh"
 
+// The poller's sleep between two reads of the counter, and the time a waiting warp may stay suspended on the
+// mbarrier before it looks again (a hint; the phase's completion wakes it) (benchmarks/bench_segment.py --defines).
+#ifndef MK_POLL_NS
+#define MK_POLL_NS 32
+#endif
+#ifndef MK_SUSPEND_NS
+#define MK_SUSPEND_NS 1000000
+#endif
+// 0: each op's Params read in place from device memory instead of a copy in shared memory (for comparing)
+#ifndef MK_PARAMS_SMEM
+#define MK_PARAMS_SMEM 1
+#endif
+
 namespace mk {
 
 constexpr int MAX_OPS = 12;
@@ -101,16 +114,17 @@ struct CounterWait {
         if (counter == nullptr) return;
         if (threadIdx.x % 32 == 0) {
             if (atomicCAS(poller, 0, 1) == 0) {
-                while (load_acquire(counter) < target) __nanosleep(32);
+                while (load_acquire(counter) < target)
+                    if (MK_POLL_NS) __nanosleep(MK_POLL_NS);
                 asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
             }
             asm volatile(
                 "{\n"
                 ".reg .pred done;\n"
                 "WAIT:\n"
-                "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], 0;\n"
+                "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], 0, %1;\n"
                 "@!done bra WAIT;\n"
-                "}\n" ::"r"(barrier)
+                "}\n" ::"r"(barrier), "n"(MK_SUSPEND_NS)
                 : "memory");
         }
         __syncwarp();
@@ -154,14 +168,14 @@ __device__ void decode_segment(const Segment& s)
         if (v0 >= op.blocks) continue;
         // before the wait: the Params, and in the blocks everything that reads only weights (their metadata, the
         // first L2 prefetches), as launch-per-op does before its dependent-launch wait
-        copy_params(params_s, op.params);
+        if (MK_PARAMS_SMEM) copy_params(params_s, op.params);
         if (threadIdx.x == 0) poller_s = 0;
         __syncthreads();                               // (also publishes the mbarriers' init, before op 0)
         const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s,
                                smem_address(barriers_s + k)};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
-            run_block<Fmt>(op, params_s, v, wait);
+            run_block<Fmt>(op, MK_PARAMS_SMEM ? params_s : *op.params, v, wait);
             __syncthreads();                           // shared memory is the next block's
         }
         if (threadIdx.x == 0) release_add(s.done + k, ran);
