@@ -190,8 +190,15 @@ __device__ void decode_segment(const Segment& s)
 #define MK_SEGMENT(NAME, FMT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, 2) NAME(const __grid_constant__ mk::Segment s)         \
     {                                                                                                                  \
-        exl::pdl_trigger();                                                                                           \
-        mk::decode_segment<FMT>(s);                                                                                    \
+        MK_BODY(FMT)                                                                                                   \
     }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define MK_BODY(FMT) __trap();                         /* sm_90+ only (mbarriers' try_wait): never launched below */
+#else
+#define MK_BODY(FMT)                                                                                                   \
+    exl::pdl_trigger();                                                                                               \
+    mk::decode_segment<FMT>(s);
+#endif
 
 MK_SEGMENT(decode_segment_exl2, qmm::Exl2)
