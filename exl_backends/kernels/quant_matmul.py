@@ -19,9 +19,11 @@ chosen per call from the number of rows alone."""
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,24 +49,12 @@ ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-ro
 # forward_normed pass others, which apply the gated MLP's activation or the block's norm to x as it is staged
 PLAIN = (None, None, None, None, 0.0)
 STAGE_NORM_SMEM = 48 * 1024     # shared memory stage_xs may keep a row in (the default limit, no opt-in)
-# From this many rows of x on, the tiled GEMM (up to GEMM_MAX_M) instead of 16-row passes of the small-M kernel.
-# A pass reads the packed weight once per 16 rows; the GEMM reads it once per M tile of up to 128 rows, so it takes
-# every count that would need a second pass: 17..32 rows cost two passes against a GEMM roofline of the weight read.
-# At 16 rows (one pass) the small-M kernel, since it reads x staged (docs/gemm.md), beats the GEMM on 3 of 4
-# shapes (H200, tune_matmul.py, 4.0 bpw, us small / GEMM: 4096 x 14336 29.5 / 39.4, 14336 x 4096 32.6 / 44.0,
-# 8192 x 28672 74.3 / 130.6, 4096 x 4096 23.3 / 19.4), and 16 jobs of the 8B shape decode at 2,932 tok/s against
-# 2,468 (bench_generation.py).
+# Routing by rows of x (crossovers measured on the H200: docs/gemm.md, "Routing"): from LARGE_M rows the tiled GEMM
+# (17..32 rows would cost the small-M kernel two passes over the weight); up to GEMM_MAX_M, then dequantize + cuBLAS;
+# on compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (one M tile, one block
+# per SM; below 65 rows the mma.sync GEMM wins or ties).
 LARGE_M = 17
-# Up to this many rows the tiled GEMM; above, dequantize + cuBLAS. Measured (H200, bench_matmul.py --gemm, 4.0 bpw,
-# us GEMM / dequant + cuBLAS): 64 rows 49 / 85 at 4096 x 14336, 55 / 87 at 14336 x 4096, 24 / 25 at 4096 x 4096;
-# 128 rows 90 / 86, 88 / 89, 33 / 30; 208 rows 157 / 90 (the GEMM runs mma.sync at ~150-190 TFLOP/s): the
-# crossover lies between 64 and 128.
 GEMM_MAX_M = 96
-# On compute capability 9.0 (sm_90a) rows WGMMA_MIN_M..WGMMA_MAX_M take the GEMM by wgmma (qmm.cuh
-# <fmt>_wgmma: one M tile of WGMMA_ROWS rows, one block per SM). H200, tune_matmul.py --gemm, EXL2 4.0 bpw, us
-# wgmma / mma.sync GEMM / dequant + cuBLAS (docs/gemm.md): 4096 x 14336 at 64 rows 49.9 / 48.0 / 84.8, 65
-# rows 49.8 / 78.0 / 85.0, 100 rows 53.1 / 83.8 / 86.0, 128 rows 58.2 / 87.4 / 87.1; 14336 x 4096 at 100 rows
-# 58.7 / 79.6 / 89.1; 4096 x 4096 at 100 rows 24.7 / 30.1 / 27.9 (below 65 rows the mma.sync GEMM wins or ties).
 WGMMA_MIN_M = 65
 WGMMA_MAX_M = 128
 WGMMA_ROWS = 128                # x rows of a wgmma block (wgmma.cu WG_N)
@@ -501,16 +491,28 @@ def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, 
     """(strips per block, splits per part) of the small-M launch for `rows` rows of x: blocks of the first of
     SMALL_STRIPS_PER_BLOCK (8 strips, the measured default), or of another count where _launch_seconds rates its
     best splits SMALL_BLOCKS_GAIN faster (the model is coarse: a few percent decide nothing)."""
-    per_sm = RESIDENT_BLOCKS[rows_class(rows)]
+    shapes = tuple(Shape(lay.k, lay.strips, tuple(lay.chunk_bits)) for lay in layouts)
+    spb, splits = _small_blocks(shapes, rows, n_sm, RESIDENT_BLOCKS[rows_class(rows)], SMALL_STRIPS_PER_BLOCK)
+    return spb, list(splits)
+
+
+Shape = NamedTuple("Shape", [("k", int), ("strips", int), ("chunk_bits", tuple)])    # what planning reads of a layout
+
+
+# Memoised: a model's layers repeat a few shapes, and a plan's search takes ~1 ms (an 8B model's from_pretrained
+# spent 5.5 of its 11.4 s here, H100, 2026-12-06).
+@functools.cache
+def _small_blocks(layouts: tuple[Shape, ...], rows: int, n_sm: int, per_sm: int,
+                  candidates: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
     plans = []
-    for spb in SMALL_STRIPS_PER_BLOCK:
+    for spb in candidates:
         splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb, M1_MAX_SPLITS if rows == 1 else MAX_SPLITS)
         col_blocks = [-(-lay.strips // spb) for lay in layouts]
         plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb, rows), spb, splits))
     best = min(plans, key=lambda plan: plan[0])
     _, spb, splits = best if best[0] < SMALL_BLOCKS_GAIN * plans[0][0] else plans[0]
-    return spb, splits
+    return spb, tuple(splits)
 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,

@@ -188,7 +188,7 @@ def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short
     """The 8B shape's gate/up (2 x 448 strips of 128 4-bit chunks, 2 splits): 224 blocks of 8 strips on 264 slots
     leave 40 SMs with one block; 256 of 7 strips fill it. q/k/v (4096 x (4096, 1024, 1024)) fills it with 8."""
     def lay(n):
-        return SimpleNamespace(strips=n // 32, chunk_bits=[4] * 128)
+        return SimpleNamespace(k=4096, strips=n // 32, chunk_bits=[4] * 128)
     assert qm.small_blocks([lay(14336), lay(14336)], 1, 132) == (7, [2, 2])
     spb, splits = qm.small_blocks([lay(4096), lay(1024), lay(1024)], 1, 132)
     assert spb == 8 and sum(-(-s // 8) * n for s, n in zip((128, 32, 32), splits)) <= 264
@@ -201,7 +201,7 @@ def test_sixteen_row_plans_weigh_the_split_reduction_against_the_warps_stream():
     At one row a plan stops at one round of the last warp's reduction: the 1B down projection (8192 -> 2048) takes
     16 splits, not the 33 that fill the wave (8.25 against 8.71 us)."""
     def lay(n, k=4096):
-        return SimpleNamespace(strips=-(-n // 32), chunk_bits=[4] * (k // 32))
+        return SimpleNamespace(k=k, strips=-(-n // 32), chunk_bits=[4] * (k // 32))
     assert qm.small_blocks([lay(4096)], 16, 132)[1] == [8]
     assert qm.small_blocks([lay(6144)], 16, 132)[1] == [5]
     assert qm.small_blocks([lay(4096, 14336)], 16, 132)[1] == [8]
