@@ -5,8 +5,8 @@
 
 // Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): M1 2, up to 128 registers (it ran
 // at 3, 80 registers, until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
-// faster); M8 and M16 1 (168-247 registers, pipelined: 8-25 % faster than 2 blocks unpipelined; docs/decode-matmul.md
-// v25). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
+// faster); M8 and M16 1 (168-247 registers, pipelined: 8-25 % faster than 2 blocks unpipelined;
+// docs/decode-matmul.md). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
 // ys: the parts' outputs [M, part.n] fp16; ws: split partials (fp32, see Part.ws_offset), unused without splits.
 #define QMM_MATMUL(NAME, FMT, N8, M1, BLOCKS_PER_SM)                                                                   \
     extern "C" __global__ void __launch_bounds__(qmm::THREADS, BLOCKS_PER_SM)                                          \
