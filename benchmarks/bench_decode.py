@@ -14,10 +14,8 @@ and the megakernel segments (kernels/megakernel.py), the model built once.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, synthetic_model  # noqa: E402
 
-from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed  # noqa: E402
+from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed, run_info  # noqa: E402
 
 
 def transformers_baseline(shape: str, ctx: int = 256, new: int = 64) -> float:
@@ -88,7 +86,7 @@ def main() -> None:
             rows.append(dict(shape=shape, what="transformers bf16 static ctx 256", tok_s=transformers_baseline(shape)))
     out = os.environ.get("OUT")
     if out:
-        Path(out, "bench_decode.json").write_text(json.dumps(run_info(bw, rows), indent=1))
+        Path(out, "bench_decode.json").write_text(json.dumps(run_info(torch.device("cuda"), bw, rows), indent=1))
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
     print(f"{'shape':14} {'what':28} {'path':14} {'tok/s':>9} {'replay':>9} {'bound':>8} {'%':>5}")
     for r in rows:
@@ -96,20 +94,6 @@ def main() -> None:
               f"{r.get('replay_tok_s', float('nan')):9.1f} {r.get('bound_tok_s', float('nan')):8.1f} "
               f"{r.get('pct', float('nan')):5.1f}")
 
-
-def run_info(bandwidth: float, rows: list[dict]) -> dict:
-    """The result file (benchmarks/results/README.md): date, commit (EXL_COMMIT where the tree has no up-to-date
-    .git, as on the device machine), device and copy bandwidth, the command, the rows."""
-    commit = os.environ.get("EXL_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip()
-        except OSError:
-            commit = ""
-    return dict(date=datetime.date.today().isoformat(), commit=commit or "unknown",
-                device=dict(name=torch.cuda.get_device_name(), copy_bandwidth=bandwidth), torch=torch.__version__,
-                command=" ".join(["python3", *sys.argv]), results=rows)
 
 if __name__ == "__main__":
     main()

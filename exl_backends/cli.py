@@ -90,15 +90,23 @@ def _cmd_chat(args) -> None:
 
 
 def _cmd_bench(args) -> None:
-    from .commands.bench import decode_schedule, load_report, report
+    from .commands.bench import decode_schedule, load_report, measure, report, result_path, run_info
     model = _load(args)
     if args.schedule:
         print(decode_schedule(model.model))
         return
     if not (args.gpu_split or args.tensor_parallel):      # one device: a fresh process loads it the same way
         print("\n".join(load_report(args.model, model.device)), flush=True)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    print(report(model.model, contexts, args.cache_mode, [int(n) for n in args.prefill.split(",")]))
+    bw, rows = measure(model.model, [int(c) for c in args.contexts.split(",")], args.cache_mode,
+                       [int(n) for n in args.prefill.split(",")])
+    print(report(model.model, bw, rows))
+    if args.json:
+        quant = model.model.config.raw.get("quantization_config") or {}
+        info = run_info(model.device, bw, rows, model=str(args.model), bpw=quant.get("bits"))
+        path = result_path(args.json, "bench", info)
+        with open(path, "w") as f:
+            f.write(json.dumps(info, indent=1) + "\n")
+        print(f"wrote {path}")
 
 
 def _cmd_warmup(args) -> None:
@@ -267,6 +275,9 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
     p.add_argument("--prefill", default="512,2048", help="comma-separated prompt lengths (default 512,2048)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the results as JSON (benchmarks/results/README.md's form) to PATH, or into PATH "
+                        "as bench-<gpu>-<date>-<commit>.json when it is a directory")
     p.add_argument("--schedule", action="store_true",
                    help="print how a decode step runs as megakernel launches (which CTAs run which op, what each "
                         "waits for) instead of timing")

@@ -2,6 +2,8 @@
 shards and a mixture of experts (router + top_k experts), and the report's notes saying which."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -67,7 +69,7 @@ def test_report_runs_on_a_split_moe_model(dirs, monkeypatch):
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)     # not a 2 GiB copy on the CPU
     cpu = torch.device("cpu")
     m = Model.load(dirs["mixtral"], stages=[Stage(cpu, range(0, 1)), Stage(cpu, range(1, 2))])
-    text = bench.report(m, [16], "fp16", [24])
+    text = bench.report(m, *bench.measure(m, [16], "fp16", [24]))
     assert "layer split over 2 devices" in text and "mixture of experts" in text
     assert "prefill 24" in text and "decode ctx 16 (fp16)" in text
 
@@ -105,3 +107,26 @@ def test_quantized_model_on_the_cpu_reads_its_dequantized_weights(dirs, tmp_path
     sizes = stored(dirs["llama"])
     assert bench.weight_bytes(Model.load(tmp_path / "q")) == \
         sum(n for name, n in sizes.items() if "embed_tokens" not in name)
+
+
+def test_bench_json_is_the_results_form(dirs, tmp_path, monkeypatch, capsys):
+    """`exl bench --json DIR` prints its table and writes one result file in benchmarks/results' form, named by
+    what, device, date and commit, whose decode rows carry the bound the table printed."""
+    from exl_backends import cli
+    monkeypatch.setenv("EXL_COMMIT", "abc1234")
+    monkeypatch.setattr(bench, "load_report", lambda model_dir, device: ["load, warm: (not timed here)"])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)     # not a 2 GiB copy on the CPU
+    cli.main(["bench", "-m", str(dirs["llama"]), "--device", "cpu", "--contexts", "8,24", "--prefill", "16",
+              "--json", str(tmp_path)])
+    out = capsys.readouterr().out
+    (path,) = tmp_path.glob("bench-cpu-*-abc1234.json")
+    info = json.loads(path.read_text())
+    assert info["commit"] == "abc1234" and info["device"]["name"] == "cpu" and info["date"] in path.name
+    assert set(info) >= {"date", "commit", "device", "command", "results", "model", "bpw"}
+    prefill, *decode = info["results"]
+    assert prefill["what"] == "prefill" and prefill["tokens"] == 16 and prefill["tok_s"] > 0
+    assert [r["context"] for r in decode] == [8, 24] and all(r["path"] == "launch-per-op" for r in decode)
+    for r in decode:
+        assert r["bound_tok_s"] == pytest.approx(info["device"]["copy_bandwidth"] / r["bytes"])
+        assert f"decode ctx {r['context']} (fp16)" in out and f"{r['bound_tok_s']:10.1f}" in out
+    assert f"wrote {path}" in out

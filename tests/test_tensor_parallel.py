@@ -228,7 +228,7 @@ def graph_worker(rank: int, world: int, init_method: str, path: str, out_file: s
         return
     out = {"graphs": greedy(tp, eager=False), "eager": greedy(tp, eager=True)}
     bench.copy_bandwidth = lambda device: 1e9                  # the bound's arithmetic, not a 2 GiB copy
-    out["bench"] = bench.report(tp, [16], "fp16", [32])
+    out["bench"] = bench.report(tp, *bench.measure(tp, [16], "fp16", [32]))
     torch.save(out, out_file)
     tp.close()
 

@@ -8,6 +8,7 @@ ranks hold the same share). A mixture-of-experts layer at batch 1 reads its rout
 token is routed to, not every expert."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -199,21 +200,60 @@ def notes(model: Model | TensorParallelModel) -> list[str]:
     return out
 
 
-def report(model: Model | TensorParallelModel, contexts: list[int], cache_mode: str,
-           prefill_tokens: list[int]) -> str:
-    """The table `exl bench` prints."""
+def measure(model: Model | TensorParallelModel, contexts: list[int], cache_mode: str,
+            prefill_tokens: list[int]) -> tuple[float, list[dict]]:
+    """(copy bandwidth, rows) of `exl bench`: prefill, then decode at batch 1 per context beside its bound, each row
+    in benchmarks/results' form (what, context, cache_mode, batch, tok_s, bound_tok_s, pct, path)."""
     bw = copy_bandwidth(model.device)
-    lines = [f"device {model.device}, copy bandwidth {bw / 1e9:.0f} GB/s, weights read per token "
-             f"{weight_bytes(shard(model)) / 1e9:.2f} GB"] + [f"note: {n}" for n in notes(model)]
-    lines.append(f"{'what':28} {'tokens/s':>10} {'bound':>10} {'% of bound':>11}")
-    for n in prefill_tokens:
-        lines.append(f"{'prefill ' + str(n):28} {prefill_speed(model, n):10.1f}")
+    rows = [dict(what="prefill", tokens=n, tok_s=prefill_speed(model, n)) for n in prefill_tokens]
+    path = "megakernel" if model.device.type == "cuda" and megakernel.enabled(model.device) \
+        and shard(model).chainable() else "launch-per-op"
     for ctx in contexts:
         r = decode_speed(model, ctx, cache_mode)
         bound = bw / r["bytes"]
-        lines.append(f"{f'decode ctx {ctx} ({cache_mode})':28} {r['tok_s']:10.1f} {bound:10.1f} "
-                     f"{100 * r['tok_s'] / bound:10.1f}%")
+        rows.append(dict(what="decode", context=ctx, cache_mode=cache_mode, batch=1, tok_s=r["tok_s"],
+                         replay_tok_s=r.get("replay_tok_s"), bound_tok_s=bound, pct=100 * r["tok_s"] / bound,
+                         bytes=r["bytes"], path=path))
+    return bw, rows
+
+
+def report(model: Model | TensorParallelModel, bw: float, rows: list[dict]) -> str:
+    """The table `exl bench` prints, of measure()'s rows."""
+    lines = [f"device {model.device}, copy bandwidth {bw / 1e9:.0f} GB/s, weights read per token "
+             f"{weight_bytes(shard(model)) / 1e9:.2f} GB"] + [f"note: {n}" for n in notes(model)]
+    lines.append(f"{'what':28} {'tokens/s':>10} {'bound':>10} {'% of bound':>11}")
+    for r in rows:
+        if r["what"] == "prefill":
+            lines.append(f"{'prefill ' + str(r['tokens']):28} {r['tok_s']:10.1f}")
+        else:
+            what = f"decode ctx {r['context']} ({r['cache_mode']})"
+            lines.append(f"{what:28} {r['tok_s']:10.1f} {r['bound_tok_s']:10.1f} {r['pct']:10.1f}%")
     return "\n".join(lines)
+
+
+def run_info(device: torch.device, bandwidth: float, rows: list[dict], **extra) -> dict:
+    """A result file of benchmarks/results (its README): date, commit (EXL_COMMIT where the tree has no up-to-date
+    .git, as on the device machine; "unknown" outside a checkout), device and copy bandwidth, the command line,
+    the rows."""
+    commit = os.environ.get("EXL_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__)).stdout.strip()
+        except OSError:
+            commit = ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(date=datetime.date.today().isoformat(), commit=commit or "unknown",
+                device=dict(name=name, copy_bandwidth=bandwidth), torch=torch.__version__,
+                command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), **extra, results=rows)
+
+
+def result_path(where: str, what: str, info: dict) -> str:
+    """where, or under it (a directory) benchmarks/results' name: <what>-<gpu>-<date>-<commit>.json."""
+    if not os.path.isdir(where):
+        return where
+    gpu = info["device"]["name"].lower().replace("nvidia ", "").split()[0]
+    return os.path.join(where, f"{what}-{gpu}-{info['date']}-{info['commit']}.json")
 
 
 _LOAD_PROBE = """
