@@ -294,6 +294,25 @@ def test_json_schema_output_closes_before_max_new_tokens(gen):
         jsonschema.validate(json.loads(done.text), schema)
 
 
+def closing_after(tokenizer, grammar: str, text: str) -> str:
+    """The text the budget's forced completion adds after text."""
+    from exl_backends.engine.constraints import Constraint, GrammarTokenizer, shortest_closing
+    grammar_tokenizer = GrammarTokenizer(tokenizer)
+    matcher = Constraint(grammar_tokenizer, grammar=grammar)._matcher
+    assert matcher.consume_tokens(grammar_tokenizer.ll.tokenize_str(text))
+    closing = shortest_closing(matcher, grammar_tokenizer.char_tokens(), grammar_tokenizer.hint_tokens())
+    return grammar_tokenizer.ll.decode_str(closing)
+
+
+def test_the_budget_closes_an_open_string_as_it_is_and_a_reasoning_block_by_its_tag(gen, thinking_gen):
+    """The reasoning block's closing tag is tried only where characters reach no completion (it fits in any
+    string: tried first, it ended every argument the budget closed with "</think>")."""
+    req = prepare(gen.tokenizer, ASK, [WEATHER], "required")
+    assert closing_after(gen.tokenizer, req.grammar, CALL[:-20]) == '"}}\n</tool_call>'
+    thinking = prepare(thinking_gen.tokenizer, ASK, [WEATHER], "required")
+    assert closing_after(thinking_gen.tokenizer, thinking.grammar, "The user asks").startswith("</think>")
+
+
 def test_a_call_that_cannot_fit_is_left_out(gen):
     req = prepare(gen.tokenizer, ASK, [WEATHER], "required")
     done = run(gen, req, max_new_tokens=6)
