@@ -24,7 +24,8 @@ def run_example(name: str) -> str:
 
 
 def test_every_example_has_a_test():
-    tested = {"engine.py", "hf_generate.py", "langchain_chain.py", "langchain_structured.py", "llamaindex_rag.py"}
+    tested = {"agent.py", "engine.py", "hf_generate.py", "langchain_chain.py", "langchain_structured.py",
+              "llamaindex_rag.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -56,3 +57,13 @@ def test_llamaindex_rag_answers_from_its_documents():
     answer = next(line for line in out.splitlines() if line.startswith("answer:"))
     assert "ninth of October" in answer or "October 9" in answer
     assert "lantern festival" in next(line for line in out.splitlines() if line.startswith("source:"))
+
+
+def test_agent_calls_both_tools_then_answers_alike_through_langchain_and_the_server():
+    out = run_example("agent.py").splitlines()
+    for door in ("langchain", "server"):
+        assert [line for line in out if line.startswith(f"{door} call: ")] == [
+            f'{door} call: capital({{"country": "France"}}) -> Paris',
+            f'{door} call: calculator({{"expression": "12 * 7"}}) -> 84']
+    answers = [line.split(": ", 1)[1] for line in out if line.startswith(("langchain answer: ", "server answer: "))]
+    assert len(answers) == 2 and answers[0] == answers[1] and ("84" in answers[0] or "Paris" in answers[0])

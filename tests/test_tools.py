@@ -294,6 +294,51 @@ def test_json_schema_output_closes_before_max_new_tokens(gen):
         jsonschema.validate(json.loads(done.text), schema)
 
 
+def closing_after(tokenizer, grammar: str, text: str) -> str:
+    """The text the budget's forced completion adds after text."""
+    from exl_backends.engine.constraints import Constraint, GrammarTokenizer, shortest_closing
+    grammar_tokenizer = GrammarTokenizer(tokenizer)
+    matcher = Constraint(grammar_tokenizer, grammar=grammar)._matcher
+    assert matcher.consume_tokens(grammar_tokenizer.ll.tokenize_str(text))
+    closing = shortest_closing(matcher, grammar_tokenizer.char_tokens(), grammar_tokenizer.hint_tokens())
+    return grammar_tokenizer.ll.decode_str(closing)
+
+
+def test_the_budget_closes_an_open_string_as_it_is_and_a_reasoning_block_by_its_tag(gen, thinking_gen):
+    """The reasoning block's closing tag is tried only where characters reach no completion (it fits in any
+    string: tried first, it ended every argument the budget closed with "</think>")."""
+    req = prepare(gen.tokenizer, ASK, [WEATHER], "required")
+    assert closing_after(gen.tokenizer, req.grammar, CALL[:-20]) == '"}}\n</tool_call>'
+    thinking = prepare(thinking_gen.tokenizer, ASK, [WEATHER], "required")
+    assert closing_after(thinking_gen.tokenizer, thinking.grammar, "The user asks").startswith("</think>")
+
+
+SAY = {"type": "function", "function": {"name": "say", "description": "Say yes", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "enum": ["yes"]}}, "required": ["word"]}}}
+
+
+def test_a_call_that_repeats_one_ends_the_reply(gen):
+    """SmolLM2-135M, forced to call with parallel calls allowed, copied its call until max_tokens (the whole context
+    without one). Here every call is the same (one enum value; 57 tokens of the tiny tokenizer) and min_new_tokens
+    keeps the reply from ending: without the stop check it loops, with it the reply ends at the first repeat."""
+    req = prepare(gen.tokenizer, ASK, [SAY], "required")
+    args = dict(max_new_tokens=240, min_new_tokens=200, grammar=req.grammar, sampling=SamplingParams(temperature=0),
+                stop_token_ids=gen.eos_ids | template_stop_ids(gen.tokenizer))
+    looped = gen.generate(req.ids(), **args)
+    assert len(looped.token_ids) >= 200 and len(req.parse(looped.text).calls) > 2
+    stopped = gen.generate(req.ids(), stop_check=req.stop_check(), **args)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 120
+    assert [(c.name, c.arguments) for c in req.parse(stopped.text).calls] == [("say", '{"word": "yes"}')] * 2
+    # a call with other arguments, or one not yet complete, is no repeat; one call at most needs no check
+    weather = prepare(gen.tokenizer, ASK, [WEATHER], "auto")
+    assert weather.repeats_a_call(CALL + "\n" + CALL)
+    assert not weather.repeats_a_call(CALL + "\n" + CALL.replace("Oslo", "Paris"))
+    assert not weather.repeats_a_call(CALL + "\n" + CALL[:-20])
+    for choice, parallel in (("required", False), ({"type": "function", "function": {"name": "say"}}, True),
+                             ("none", True)):
+        assert prepare(gen.tokenizer, ASK, [SAY], choice, parallel).stop_check() is None
+
+
 def test_a_call_that_cannot_fit_is_left_out(gen):
     req = prepare(gen.tokenizer, ASK, [WEATHER], "required")
     done = run(gen, req, max_new_tokens=6)

@@ -45,8 +45,8 @@ from .tools import REASONING_TAGS
 # text of a grammar).
 CLOSE_CHARS = ('"]}0,:' + "ntf-.e1[{" + "abcdghijklmopqrsuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "23456789"
                + "_</>=|;!?#$%&'()*+@\\^`~" + " \n")     # whitespace last: where it is free it never closes anything
-# Whole strings a closing search tries once, first: the closing tags of reasoning blocks (a block of free text has
-# no completion within reach character by character).
+# Whole strings a closing search tries once each where characters alone reach no completion: the closing tags of
+# reasoning blocks (a block of free text has no completion within reach character by character).
 CLOSE_HINTS = tuple(close for _, close in REASONING_TAGS)
 CLOSE_MAX_CHARS = 192       # a completion longer than this is not searched for (free text has none within reach)
 # The completion is forced while CLOSE_MARGIN tokens beyond it are still left: the token sampled before it may
@@ -220,10 +220,16 @@ def _grammar_spec(json_schema, json_object: bool, regex: str | None, grammar: st
 
 
 def shortest_closing(matcher, char_tokens: list[int], hints: list[list[int]] = ()) -> list[int] | None:
-    """Tokens that take the matcher to an accepting state: each hint once where it fits, then single characters
-    chosen greedily in CLOSE_CHARS' order (for JSON this closes the open string, array and object levels, adding
-    required fields with the shortest values); None when none is found within CLOSE_MAX_CHARS. The matcher is left
-    as it was."""
+    """Tokens that take the matcher to an accepting state: single characters chosen greedily in CLOSE_CHARS' order
+    (for JSON this closes the open string, array and object levels, adding required fields with the shortest
+    values); where they find none (a block of free text), each hint once where it fits, then characters. None when
+    none is found within CLOSE_MAX_CHARS. The matcher is left as it was. Hints come second because a hint fits in
+    any free string: tried first, they wrote "</think>" into every JSON string the budget closed."""
+    closing = greedy_closing(matcher, char_tokens, [])
+    return closing if closing is not None or not hints else greedy_closing(matcher, char_tokens, hints)
+
+
+def greedy_closing(matcher, char_tokens: list[int], hints: list[list[int]]) -> list[int] | None:
     seq: list[int] = []
     try:
         for hint in hints:

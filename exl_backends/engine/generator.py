@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ class Generator:
                banned_strings: Iterable[str] | None = (), stop_token_ids: Iterable[int] | None = None,
                json_schema: dict | str | None = None, json_object: bool = False, regex: str | None = None,
                grammar: str | None = None, logprobs: int = 0, min_new_tokens: int = 0, include_stop: bool = False,
-               add_bos: bool | None = None) -> Job:
+               add_bos: bool | None = None, stop_check: Callable[[str], bool] | None = None) -> Job:
         """Queues a job and returns it; iterate it for its chunks, or call .result().
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered with the tokenizer's
@@ -124,7 +124,9 @@ class Generator:
         the model's EOS tokens. logprobs: how many top alternatives to report with each token's logprob (0: no
         logprobs). add_bos (text prompts): None follows the tokenizer, True ensures a BOS, False adds none.
         json_schema / json_object / regex / grammar (Lark, or GBNF): the output is constrained to it (one kind
-        at most), and closes itself before max_new_tokens runs out where it can (constraints.py)."""
+        at most), and closes itself before max_new_tokens runs out where it can (constraints.py). stop_check:
+        called with the text so far after each token; True ends the job there (finish_reason "stop", the text
+        kept whole), as tools.ToolRequest.stop_check ends a reply that repeats a call."""
         ids, template_stops = self._encode(prompt, add_bos)
         stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
         banned = tuple(banned_strings or ())
@@ -140,7 +142,7 @@ class Generator:
         stop_ids = (self.eos_ids if stop_token_ids is None else frozenset(stop_token_ids)) | template_stops
         job = Job(ids.tolist(), max_tokens, len(ids) + min_new_tokens, SamplerState(params, ids, self.tokenizer),
                   self._constraint(json_schema, json_object, regex, grammar, max_tokens - len(ids)), stop_ids, stop_strings, banned, include_stop,
-                  logprobs, self.tokenizer, NgramIndex() if self.ngram else None, self._advance)
+                  logprobs, self.tokenizer, NgramIndex() if self.ngram else None, self._advance, stop_check)
         if self.draft is not None:
             job.n_draft_cached = 0
         self._inbox.append(job)

@@ -50,7 +50,7 @@ class Job:
     def __init__(self, prompt_ids: list[int], max_tokens: int, min_tokens: int, state: SamplerState,
                  constraint, stop_ids: frozenset[int], stop_strings: tuple[str, ...],
                  banned_strings: tuple[str, ...], include_stop: bool, n_logprobs: int, tokenizer,
-                 ngram, advance: Callable[["Job"], None]):
+                 ngram, advance: Callable[["Job"], None], stop_check: Callable[[str], bool] | None = None):
         self.n_prompt = len(prompt_ids)
         self.tokens = list(prompt_ids)          # prompt + generated
         self.max_tokens, self.min_tokens = max_tokens, min_tokens   # bounds on len(tokens)
@@ -58,6 +58,7 @@ class Job:
         self.is_plain_greedy = state.params.is_plain_greedy and constraint is None
         self.stop_ids, self.stop_strings, self.banned_strings = stop_ids, stop_strings, banned_strings
         self.include_stop, self.n_logprobs = include_stop, n_logprobs
+        self.stop_check = stop_check
         self.bans: dict[int, list[int]] = {}    # position -> tokens taken back there (they formed a banned string)
         self.logprobs: list[SampleResult] = []
         self.finish_reason: str | None = None
@@ -148,6 +149,8 @@ class Job:
                 self.stop_at = hit[0] + (len(hit[1]) if self.include_stop else 0)
                 return self.finish("stop")
         if self.constraint is not None and self.constraint.is_finished():
+            return self.finish("stop")
+        if self.stop_check is not None and self.stop_check(self.detok.text):
             return self.finish("stop")
         if len(self.tokens) >= self.max_tokens:
             return self.finish("length")

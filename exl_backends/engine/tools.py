@@ -8,6 +8,7 @@ A request's tools (OpenAI function specs) and tool choice become
   3. a parser that splits the output, streamed or whole, into reasoning, content and calls.
 Because the grammar builds every call, every call parses and validates; the constraint closes an open call before
 max_tokens runs out where it can, and a call left incomplete is dropped (the job says finish_reason "length").
+A reply ends at a call that repeats one it made (ToolRequest.stop_check): small models loop on their calls.
 
 Families differ by data (CALL_FORMATS), found by the markers their templates contain; a template with tools but
 no known marker, and the generic fallback, use the Hermes/Qwen form:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jinja2
@@ -634,12 +636,14 @@ def held_prefix(text: str, tag: str) -> int:
 
 @dataclass
 class ToolRequest:
-    """A chat request with its tools, ready for Generator.submit(ids, grammar=...) and for parsing the reply."""
+    """A chat request with its tools, ready for Generator.submit(ids, grammar=..., stop_check=...) and for parsing
+    the reply."""
     chat: ChatFormat
     tools: list[Tool]
     choice: str | Tool
     prompt: str
     grammar: str | None
+    parallel: bool = True
 
     def ids(self) -> list[int]:
         return self.chat.tokenizer.encode(self.prompt, add_special_tokens=False)
@@ -650,6 +654,24 @@ class ToolRequest:
     def parse(self, text: str) -> Reply:
         p = self.parser()
         return Reply.of(p.feed(text) + p.close())
+
+    def stop_check(self) -> Callable[[str], bool] | None:
+        """For Generator.submit(stop_check=...): ends the reply at a call that repeats one it already made (None
+        where the grammar allows one call at most). A small model copies its own calls: SmolLM2-135M, forced to
+        call, wrote the same call over and over until max_tokens (the whole context when no max_tokens is given),
+        which the grammar allows as parallel calls. The repeat stays in the reply: a stream has sent it."""
+        if self.grammar is None or self.choice == "none" or isinstance(self.choice, Tool) or not self.parallel:
+            return None
+        return self.repeats_a_call
+
+    def repeats_a_call(self, text: str) -> bool:
+        """The reply so far holds two complete calls with the same name and arguments."""
+        if text.count('{"name": ') < 2:        # every family writes a call so; cheap on text without calls
+            return False
+        p = self.parser()
+        deltas = p.feed(text)
+        done = [(c.name, c.arguments) for c in Reply.of(deltas).calls[:p.n_calls]]
+        return len(set(done)) < len(done)
 
 
 def prepare(tokenizer, messages: list[dict], tools: list | None = None, tool_choice=None,
@@ -662,4 +684,4 @@ def prepare(tokenizer, messages: list[dict], tools: list | None = None, tool_cho
     chat = ChatFormat(tokenizer, tool_prompt)
     prompt = chat.render(messages, parsed, enable_thinking)
     return ToolRequest(chat, parsed, choice, prompt,
-                       chat.grammar(parsed, choice, parallel_tool_calls, prompt, enable_thinking))
+                       chat.grammar(parsed, choice, parallel_tool_calls, prompt, enable_thinking), parallel_tool_calls)

@@ -99,11 +99,12 @@ class Completions:
 
     def job_requests(self, req: ChatRequest | CompletionRequest, prompts: list[list[int]], n: int,
                      max_tokens: int, n_top: int | None, stop_ids: frozenset[int],
-                     grammar: str | None = None) -> list[dict]:
+                     tooled: ToolRequest | None = None) -> list[dict]:
         """Generator.submit keyword arguments for every choice: prompt p's choice j is job p * n + j. n_top: how
-        many alternatives to report with each token's logprob (None: no logprobs). grammar: the tools' (a
-        response_format with it is refused before)."""
-        constraint = {"grammar": grammar} if grammar else response_format(req.response_format)
+        many alternatives to report with each token's logprob (None: no logprobs). tooled: the tools' request,
+        whose grammar (a response_format with it is refused before) and stop check the jobs take."""
+        constraint = {"grammar": tooled.grammar, "stop_check": tooled.stop_check()} if tooled and tooled.grammar \
+            else response_format(req.response_format)
         stop = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s]
         base = dict(max_new_tokens=max_tokens, stop=stop, banned_strings=req.banned_strings or (),
                     stop_token_ids=stop_ids, logprobs=0 if n_top is None else max(n_top, 1),
@@ -156,16 +157,17 @@ class Completions:
         thinking = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else None
         tooled = await asyncio.to_thread(self.chat_request, req.messages, req.tools, req.tool_choice,
                                          req.parallel_tool_calls is not False, thinking)
-        grammar = tooled.grammar
+        constrained = tooled
         if req.response_format is not None and req.response_format.type != "text":
             if tooled.choice != "none" and tooled.tools:
                 raise bad_request("response_format cannot be combined with tools (the reply is either text or "
                                   "tool calls): drop one, or set tool_choice 'none'", param="response_format")
-            grammar = None          # tool_choice "none": the reply is the response_format's text
+            constrained = None      # tool_choice "none": the reply is the response_format's text
         ids = await asyncio.to_thread(self.chat_ids, tooled.prompt)
         stop_ids = self.generator.eos_ids | template_stop_ids(self.tokenizer)
         max_tokens = req.max_completion_tokens or req.max_tokens or self.max_seq_len
-        stream = await self.start(self.job_requests(req, [ids], n, max_tokens, n_top, stop_ids, grammar), len(ids))
+        stream = await self.start(self.job_requests(req, [ids], n, max_tokens, n_top, stop_ids, constrained),
+                                  len(ids))
         out = ChatOutput(self, n, n_top, stop_ids, tooled)
         if req.stream:
             return self.sse(stream, out, req.stream_options and req.stream_options.include_usage)

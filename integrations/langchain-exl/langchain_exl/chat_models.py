@@ -77,7 +77,7 @@ class ChatExl(ExlSettings, BaseChatModel):
         if request.grammar is not None:
             if arguments["json_schema"] or arguments["json_object"]:
                 raise ValueError("ChatExl: tools cannot be combined with json_schema/json_object output; bind one")
-            arguments["grammar"] = request.grammar
+            arguments["grammar"], arguments["stop_check"] = request.grammar, request.stop_check()
         job = gen.submit(request.ids(), stop_token_ids=gen.eos_ids | template_stop_ids(gen.tokenizer), **arguments)
         return model, gen, job, request
 

@@ -265,3 +265,31 @@ def test_default_model_calls_the_tool_with_the_prompts_argument():
     reply = chat.bind_tools([magic_function], tool_choice="any", parallel_tool_calls=False).invoke(
         "What is the value of magic_function(3)? Use the tool.")
     assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("magic_function", {"input": 3})]
+
+
+@pytest.mark.slow
+def test_default_model_forced_call_without_max_tokens_ends_at_a_repeated_call():
+    """LangChain's defaults (no max_tokens, parallel calls allowed): the default model copied its calls until the
+    context ran out (776 tokens, 66 s on a 2-core CPU at max_seq_len 1024); the reply now ends at the first call
+    that repeats one (79 tokens)."""
+    from exl_backends.commands.quickstart import default_model_dir
+    try:
+        path = default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+    @tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression such as 2 * (3 + 4)."""
+        return expression
+
+    @tool
+    def capital(country: str) -> str:
+        """The capital city of a country."""
+        return country
+
+    chat = ChatExl(model=str(path), temperature=0, device="cpu", max_seq_len=1024)
+    reply = chat.bind_tools([calculator, capital], tool_choice="any").invoke("What is 12 * 7?")
+    calls = [(c["name"], c["args"]) for c in reply.tool_calls]
+    assert reply.usage_metadata["output_tokens"] < 150 and reply.response_metadata["finish_reason"] == "tool_calls"
+    assert len(calls) >= 2 and calls[-1] in calls[:-1]

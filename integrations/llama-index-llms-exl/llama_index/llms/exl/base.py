@@ -96,7 +96,7 @@ class Exl(FunctionCallingLLM):
         request = prepare(gen.tokenizer, chat_messages(messages), tools.get("tools"), tools.get("tool_choice"),
                           tools.get("parallel_tool_calls") is not False, self.enable_thinking)
         arguments = self._job_arguments({k: v for k, v in kwargs.items() if k not in TOOL_FIELDS})
-        job = gen.submit(request.ids(), grammar=request.grammar,
+        job = gen.submit(request.ids(), grammar=request.grammar, stop_check=request.stop_check(),
                          stop_token_ids=gen.eos_ids | template_stop_ids(gen.tokenizer), **arguments)
         return gen, job, request
 
