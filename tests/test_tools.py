@@ -329,6 +329,7 @@ def test_a_call_that_repeats_one_ends_the_reply(gen):
     stopped = gen.generate(req.ids(), stop_check=req.stop_check(), **args)
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 120
     assert [(c.name, c.arguments) for c in req.parse(stopped.text).calls] == [("say", '{"word": "yes"}')] * 2
+    assert [(c.name, c.arguments) for c in req.parse(stopped.text).distinct().calls] == [("say", '{"word": "yes"}')]
     # a call with other arguments, or one not yet complete, is no repeat; one call at most needs no check
     weather = prepare(gen.tokenizer, ASK, [WEATHER], "auto")
     assert weather.repeats_a_call(CALL + "\n" + CALL)

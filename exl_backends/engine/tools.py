@@ -465,6 +465,17 @@ class Reply:
         r.calls = [ToolCall(heads[i].id, heads[i].name, args[i]) for i in sorted(heads)]
         return r
 
+    def distinct(self) -> Reply:
+        """The reply without calls that repeat an earlier one (same name and arguments): ToolRequest.stop_check ends
+        a reply at such a repeat, which a stream has sent already but a whole reply need not hand to an agent that
+        would run the tool twice."""
+        seen, calls = set(), []
+        for c in self.calls:
+            if (c.name, c.arguments) not in seen:
+                seen.add((c.name, c.arguments))
+                calls.append(c)
+        return Reply(self.content, self.reasoning, calls)
+
 
 def finish_reason(deltas: list[Delta], engine_reason: str) -> str:
     """A reply's finish_reason: "length" when the budget cut a call (a whole reply leaves it out), "tool_calls"
@@ -659,7 +670,7 @@ class ToolRequest:
         """For Generator.submit(stop_check=...): ends the reply at a call that repeats one it already made (None
         where the grammar allows one call at most). A small model copies its own calls: SmolLM2-135M, forced to
         call, wrote the same call over and over until max_tokens (the whole context when no max_tokens is given),
-        which the grammar allows as parallel calls. The repeat stays in the reply: a stream has sent it."""
+        which the grammar allows as parallel calls. A stream has sent the repeat; whole replies drop it (Reply.distinct)."""
         if self.grammar is None or self.choice == "none" or isinstance(self.choice, Tool) or not self.parallel:
             return None
         return self.repeats_a_call

@@ -430,7 +430,7 @@ class ChatOutput(Output):
             self.finals[index] = cs[-1]
             parser = self.request.parser()
             pieces = parser.feed("".join(c.text for c in cs)) + parser.close()
-            reply = Reply.of(pieces)
+            reply = Reply.of(pieces).distinct()
             message = {"role": "assistant", "content": reply.content or (None if reply.calls else ""),
                        "tool_calls": [c.spec() for c in reply.calls] or None}
             if reply.reasoning:

@@ -87,7 +87,7 @@ class ChatExl(ExlSettings, BaseChatModel):
         done = job.result()
         parser = request.parser()
         pieces = parser.feed(done.text) + parser.close()
-        reply = Reply.of(pieces)
+        reply = Reply.of(pieces).distinct()
         message = AIMessage(
             content=reply.content, additional_kwargs=reasoning_kwargs(reply.reasoning),
             tool_calls=[{"name": c.name, "args": json.loads(c.arguments), "id": c.id, "type": "tool_call"}

@@ -244,7 +244,7 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict]:
 
 def assistant_message(pieces: list[Delta]) -> ChatMessage:
     """A whole reply: its content, its calls, its reasoning."""
-    reply = Reply.of(pieces)
+    reply = Reply.of(pieces).distinct()
     return message_of(reply.content, reply.reasoning, [c.spec() for c in reply.calls])
 
 
