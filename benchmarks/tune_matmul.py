@@ -27,13 +27,18 @@ from bench_matmul import (SHAPES, bench_format, copies_for, copy_bandwidth, exl2
                           time_calls)
 
 from exl_backends.formats import synthetic  # noqa: E402
-from exl_backends.kernels import loader  # noqa: E402
+from exl_backends.kernels import loader, planning  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
-M1_BLOCKS = qm.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
+M1_BLOCKS = planning.RESIDENT_BLOCKS[1]         # the launcher's own value (the kernel's launch bounds)
 GEMM_BLOCKS, GEMM_STAGES, GEMM_WARP_ROWS = qm.GEMM_RESIDENT, qm.GEMM_STAGES, qm.GEMM_WARP_ROWS
 WGMMA_STAGES, WGMMA_DEPTH = qm.WGMMA_STAGES, qm.WGMMA_DEPTH
+
+
+def owner(name: str):
+    """The module a --set constant lives in: the planner's (planning.py) or the launcher's."""
+    return planning if hasattr(planning, name) else qm
 
 
 def use_define(define: str, families=qm.FAMILIES) -> None:
@@ -44,7 +49,7 @@ def use_define(define: str, families=qm.FAMILIES) -> None:
     plan's qm.WGMMA_STAGES and qm.WGMMA_DEPTH (they take effect for weights prepared after this call)."""
     original = loader.module.__wrapped__
     value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
-    qm.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
+    planning.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
     qm.GEMM_RESIDENT = value.get("QMM_GEMM_BLOCKS", GEMM_BLOCKS)
     qm.GEMM_STAGES = value.get("QMM_GEMM_STAGES", GEMM_STAGES)
     qm.GEMM_WARP_ROWS = 16 * value.get("QMM_GEMM_WARP_TILES", GEMM_WARP_ROWS // 16)
@@ -146,19 +151,20 @@ def main() -> None:
               "exl2 6.0bpw": lambda k, n: lambda g: exl2_weight(k, n, "6b_128g", g),
               "gptq 4bit": lambda k, n: lambda g: gptq_weight(k, n, 4, 128, g)}
     rows, gemm_rows, baseline = [], [], {}
-    defaults = {name: getattr(qm, name) for a in args.set.split(",") if a for name in
+    defaults = {name: getattr(owner(name), name) for a in args.set.split(",") if a for name in
                 [kv.split("=")[0] for kv in a.split("+")]}
     variants = [(d, b, a) for d in args.defines.split(",") for b in args.plan_blocks.split(",")
                 for a in args.set.split(",")]
     for define, blocks, assignments in variants:
         use_define(define)
         if blocks:
-            qm.RESIDENT_BLOCKS[1] = int(blocks)
+            planning.RESIDENT_BLOCKS[1] = int(blocks)
             define = f"{define} plan {blocks}/SM"
         for name, value in defaults.items():
-            setattr(qm, name, value)
+            setattr(owner(name), name, value)
         for kv in filter(None, assignments.split("+")):
-            setattr(qm, kv.split("=")[0], int(kv.split("=")[1]))
+            setattr(owner(kv.split("=")[0]), kv.split("=")[0], int(kv.split("=")[1]))
+        planning._small_blocks.cache_clear()          # (memoised under the constants just set)
         define = f"{define} {assignments}".strip()
         err = check()
         if args.gemm:

@@ -18,12 +18,8 @@ the weight is dequantized to an fp16 scratch (bit-exact with the reference) and 
 chosen per call from the number of rows alone."""
 from __future__ import annotations
 
-import bisect
-import functools
-import math
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,14 +31,13 @@ from ..formats.gptq import GptqWeight
 from ..model import reference
 from . import activation, megakernel, norm
 from .loader import aligned, compute_capability, launch
+from .planning import (CHUNK, MAX_SPLITS, WARPS, Lazy, choose_splits, rows_class, small_blocks, split_starts,
+                       x_tile)
 
-CHUNK = 32                      # rows of K per chunk; every group must be a whole number of chunks
 STRIP = 32                      # columns per strip (one warp)
-WARPS = 8                       # strips per block (qmm.cuh WARPS)
 THREADS = WARPS * 32
 WIDTHS = (8, 6, 5, 4, 3, 2)     # the stored order of widths (qmm.cuh width_of)
 MAX_PARTS = 3                   # weights per launch (qmm.cuh MAX_PARTS)
-MAX_SPLITS = 64                 # K splits of one part (qmm.cuh MAX_SPLITS)
 
 ROWS_PER_PASS = 16              # rows of x one small-M launch handles (two 8-row MMA tiles)
 # stage_xs's arguments (up, residual, norm_w, new_residual, eps) that stage x as it is; QuantMatmul.forward and
@@ -72,45 +67,9 @@ GEMM_XS = 40                    # halves per x row of a ring slot (qmm.cuh GEMM_
 # tune_matmul.py --defines QMM_GEMM_BLOCKS=1 compares); K is split until a launch fills one wave of them
 GEMM_RESIDENT = 2
 GEMM_MIN_CHUNKS = 8             # chunks per split at least: fewer would not fill the ring's pipeline
-RESIDENT_BLOCKS = {1: 2, 8: 1, 16: 1}   # blocks per SM the kernels' registers allow (launch bounds in the .cu)
 MOE_RESIDENT_BLOCKS = {1: 2, 16: 2}     # the MoE kernels' (their 16-row one gathers x per block, unpipelined)
 DEQUANT_RESIDENT = 3            # blocks per SM of the dequant kernels (up to 80 registers, 20 KB shared)
-MIN_CHUNKS_PER_SPLIT = 4        # below this a split spends more on setup (x gather, bookkeeping) than on weights
-# splits * rows of x: bounds the partial sums the last warp of a strip adds up. With x staged, 128 left 12-16 rows
-# too few blocks: 14336 x 4096 at 12 rows 39.0 us against 29.7 at 256, 4096 x 4096 24.1 against 19.5; 512 no
-# faster (H200, tune_matmul.py --set). Kernels that gather x per block (MoE) keep 128: when every kernel did, 64
-# measured 5-25 % slower at 16 rows on the 8B shapes' small matrices.
-MAX_SPLIT_ROWS = 256
-GATHER_SPLIT_ROWS = 128
-X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more would need an opt-in per kernel
 SLAB_CODES = 1 << 22            # codes unpacked at once while repacking (int64 temporaries of 32 MB)
-# The planner's model of a launch (H200 measurements, good enough elsewhere: only ratios matter): the SMs share
-# BANDWIDTH bytes/s evenly, so a wave lasts as long as its busiest SM's bytes take (an SM left with fewer blocks
-# idles: the kernels are bound per SM by instruction issue, docs/decode-matmul.md); with several rows of x an SM decodes
-# and multiplies at most SM_RATES[rows class] bytes/s; one warp alone streams at most WARP_RATES[rows class] (one
-# row: its prefetch distance over the memory latency; 8 and 16 rows: its decode and MMAs); each wave costs
-# WAVE_SECONDS on top (ramp-up, prologue; at one row also the split-K tail). With several rows of x and splits,
-# the strip's last warp reads every split's partial of every row, 16 loads a lane in flight (qmm.cuh
-# reduce_splits: REDUCE_ROWS = 2 rows x REDUCE_SPLITS = 8 splits), each such round REDUCE_SECONDS after the one
-# before. The 8- and 16-row figures are fitted to tune_matmul.py (docs/decode-matmul.md): at 16 rows 4096 x 4096 in
-# 8 splits 18.2 us against 20.5 in 16, 4096 x 6144 in 8 19.8 against 22.3 in 11, 14336 x 4096 31.1 in 16 against
-# 40.6 in 8, 4096 x 14336 in blocks of 7 strips ~6 % faster than of 8 (SM_RATES; 8 rows: scaled as the warp
-# rate). One-row launches reduce their partials in rounds of up to M1_MAX_SPLITS (qmm.cuh REDUCE_LOADS) a
-# lane; the model has no term for them, so one-row plans stop at one round: the 1B shape's down projection (8192 x
-# 2048) took 8.71 us in 33 splits (3 rounds) against 8.25 in 16, and the 1B decode step 1.5-2 % less
-# (docs/decode-matmul.md).
-M1_MAX_SPLITS = 16
-BANDWIDTH = 4.0e12
-WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
-SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
-WAVE_SECONDS = 3.0e-6
-REDUCE_SECONDS = 0.8e-6
-REDUCE_ROWS, REDUCE_SPLITS = 2, 8
-# Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
-# of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
-# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, docs/decode-matmul.md).
-SMALL_STRIPS_PER_BLOCK = (8, 7)
-SMALL_BLOCKS_GAIN = 0.95
 
 
 class Format(Enum):
@@ -187,19 +146,33 @@ def _int32(words: Tensor) -> Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def unpack_codes(words: Tensor, bits: int, rows: int) -> Tensor:
+    """reference.unpack_bits as uint8; for widths that divide 32 (no code straddles two words) one shift a code."""
+    if 32 % bits:
+        return reference.unpack_bits(words, bits, rows).to(torch.uint8)
+    shift = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)[:, None]
+    codes = (words[:, None, :] >> shift) & ((1 << bits) - 1)                 # [W, 32 / bits, N]
+    return codes.to(torch.uint8).reshape(-1, words.shape[1])[:rows]
+
+
 def lane_words(codes: Tensor, bits: int) -> Tensor:
     """codes [32 C, 32 S] of one width (stored rows x padded columns) -> int32 [S, C * 32 * bits]: per strip, its
     chunks in the lane layout (lane 4g + q: columns 16(j//2) + 8(j%2) + g, rows 16s + 4q + 2h + e, pair
-    p = 4j + 2s + h; words in planes)."""
+    p = 4j + 2s + h; words in planes). The first `direct` pairs lie whole in a word each (PAIR_BITS), per_word
+    to a word, so they are shifted in place at once; only the spare pairs' bits are scattered one by one."""
     rows, cols = codes.shape
     c, s = rows // CHUNK, cols // STRIP
-    x = codes.to(torch.int64).reshape(c, 2, 4, 2, 2, s, 2, 2, 8)        # [c, s_, q, h, e, strip, t, u, g]
+    x = codes.to(torch.uint8).reshape(c, 2, 4, 2, 2, s, 2, 2, 8)       # [c, s_, q, h, e, strip, t, u, g]
     x = x.permute(5, 0, 8, 2, 6, 7, 1, 3, 4).reshape(s, c, 32, 16, 2)   # [strip, c, lane, pair, e]
-    pos = torch.tensor(PAIR_BITS[bits], dtype=torch.int64, device=codes.device)    # [16, bits]
-    words = torch.zeros(s, c, 32, bits, dtype=torch.int64, device=codes.device)
-    for k in range(bits):
-        bit = (x >> k) & 1
-        words.index_add_(3, pos[:, k] // 32, (bit[..., 0] | bit[..., 1] << 16) << (pos[:, k] % 32))
+    per_word = 32 // bits // 2 if bits in (2, 4, 8) else 16 // bits
+    direct = per_word * bits
+    shift = bits * torch.arange(per_word, device=codes.device)[:, None] + torch.arange(0, 32, 16, device=codes.device)
+    words = (x[:, :, :, :direct].reshape(s, c, 32, bits, per_word, 2).long() << shift).sum((4, 5))
+    if direct < 16:                           # spare code bits: bit k of pair p to PAIR_BITS[bits][p][k]
+        pos = torch.tensor(PAIR_BITS[bits][direct:], dtype=torch.int64, device=codes.device)     # [spare, bits]
+        bit = x[:, :, :, direct:, :, None].long() >> torch.arange(bits, device=codes.device) & 1  # [.., spare, e, bits]
+        spread = (bit[..., 0, :] | bit[..., 1, :] << 16) << pos % 32
+        words.index_add_(3, (pos // 32).reshape(-1), spread.reshape(s, c, 32, -1))
     planes = torch.split(_int32(words), plane_words(bits), dim=3)        # each [S, C, 32, w]
     return torch.cat([p.reshape(s, c, -1) for p in planes], dim=2).reshape(s, -1)
 
@@ -213,7 +186,7 @@ def lane_order(values: Tensor) -> Tensor:
 def exl2_scale_codes(q_scale: Tensor) -> Tensor:
     """q_scale int32 [G, Np/8] -> int32 [G, strips, 4]: lane g's 4 codes in 16 bits at word g/2, half g%2, as
     bytes (c_j0 | c_j2 << 4, c_j1 | c_j3 << 4), c_j the code of column 16(j//2) + 8(j%2) + g."""
-    nibbles = reference.unpack_bits(q_scale.cpu().T.contiguous(), 4, q_scale.shape[1] * 8).T    # [G, Np]
+    nibbles = reference.unpack_bits(q_scale.T.contiguous(), 4, q_scale.shape[1] * 8).T          # [G, Np]
     c = lane_order(nibbles)                                                                # [G, strips, 8, 4]
     lane16 = c[..., 0] | c[..., 2] << 4 | c[..., 1] << 8 | c[..., 3] << 12               # [G, strips, 8]
     return _int32(lane16[..., 0::2] | lane16[..., 1::2] << 16).contiguous()
@@ -297,13 +270,13 @@ def exl2_layout(w: Exl2Weight) -> LaneLayout:
         for r in range(0, rows, step):
             n_rows = min(step, rows - r)
             words = w.q_weight[qrow0 + r * width // 32: qrow0 + (r + n_rows) * width // 32]
-            parts.append(lane_words(reference.unpack_bits(words, width, n_rows), width))
+            parts.append(lane_words(unpack_codes(words, width, n_rows), width))
     base = (w.q_scale_max.float() * 2.0**-8).half().view(torch.int16).to(torch.int64) & 0xFFFF   # fp16 bits of m
     group = torch.tensor(chunk_group, dtype=torch.int64, device=device)
     chunk_meta = torch.stack((group, _int32((base | base << 16)[group]).long()), dim=1)
     return LaneLayout(Format.EXL2, k, w.out_features, np_, torch.cat(parts, dim=1).reshape(-1), chunk_bits,
                       chunk_group, chunk_meta.to(torch.int32).contiguous(),
-                      _strip_major(exl2_scale_codes(w.q_scale).to(device)), None,
+                      _strip_major(exl2_scale_codes(w.q_scale)), None,
                       _identity_or(torch.argsort(w.q_invperm.long())))
 
 
@@ -321,8 +294,7 @@ def gptq_layout(w: GptqWeight) -> LaneLayout:
     step = _slab_rows(np_)
     for r in range(0, k, step):
         n_rows = min(step, k - r)
-        codes[r: r + n_rows, :n] = reference.unpack_bits(w.qweight[r * bits // 32: (r + n_rows) * bits // 32], bits,
-                                                n_rows).to(torch.uint8)
+        codes[r: r + n_rows, :n] = unpack_codes(w.qweight[r * bits // 32: (r + n_rows) * bits // 32], bits, n_rows)
     codes = codes[perm]
     parts = [lane_words(codes[r: r + step], bits) for r in range(0, k, step)]
     group = w.g_idx.long()[perm][::CHUNK]
@@ -337,79 +309,6 @@ def gptq_layout(w: GptqWeight) -> LaneLayout:
 
 # ----------------------------------------------------------------------------------------------- planning
 
-
-def split_starts(chunk_bits: list[int], n_splits: int) -> list[int]:
-    """Chunk index where each split starts (plus the end): splits of nearly equal packed bytes."""
-    prefix = [0]
-    for b in chunk_bits:
-        prefix.append(prefix[-1] + b)
-    return [bisect.bisect_left(prefix, s * prefix[-1] // n_splits) for s in range(n_splits)] + [len(chunk_bits)]
-
-
-def x_tile(starts: list[int], rows: int) -> tuple[int, int]:
-    """(row stride in halves, bytes) of the gathered x tile: the longest split, padded so that the rows of x start
-    8 banks apart (conflict-free 8-byte B-fragment loads)."""
-    longest = CHUNK * max(b - a for a, b in zip(starts, starts[1:]))
-    stride = longest + 2 * ((8 - longest // 2) % 32)
-    return stride, rows * stride * 2
-
-
-def _tile_bytes(starts: list[int], rows: int) -> int:
-    """Shared memory of one block: the x tile, then the split's chunk_meta entries (8 bytes each), then its
-    corrections (8 bytes per chunk and row of x)."""
-    return -(-x_tile(starts, rows)[1] // 16) * 16 + 8 * (1 + rows) * max(b - a for a, b in zip(starts, starts[1:]))
-
-
-def _launch_seconds(strip_bytes: list[int], col_blocks: list[int], splits: list[int], n_sm: int, per_sm: int,
-                    strips_per_block: int = WARPS, rows: int = 1) -> float:
-    """The planner's model (BANDWIDTH, SM_RATES, WARP_RATES, WAVE_SECONDS, REDUCE_SECONDS above) of a launch's
-    time for `rows` rows of x: per_sm blocks of strips_per_block warps fit on each of n_sm SMs, a warp streams its
-    strip's bytes over its split, and with several rows and splits the last warp of a strip reduces the partials."""
-    blocks = sum(c * s for c, s in zip(col_blocks, splits))
-    warp = max(b / s for b, s in zip(strip_bytes, splits))
-    cls = rows_class(rows)
-    seconds = 0.0
-    if rows > 1 and max(splits) > 1:
-        seconds += REDUCE_SECONDS * -(-rows // REDUCE_ROWS) * -(-max(splits) // REDUCE_SPLITS)
-    while blocks > 0:
-        wave = min(blocks, n_sm * per_sm)
-        busiest = -(-wave // n_sm) * strips_per_block * warp           # the bytes of the SM with the most blocks
-        seconds += WAVE_SECONDS + max(busiest * n_sm / BANDWIDTH, busiest / SM_RATES[cls], warp / WARP_RATES[cls])
-        blocks -= wave
-    return seconds
-
-
-def choose_splits(layouts: list[LaneLayout], rows: int, n_sm: int, per_sm: int, smem_rows: int,
-                  strips_per_block: int = WARPS, max_splits: int = MAX_SPLITS) -> list[int]:
-    """Splits of K per part: the fastest plan by _launch_seconds, every part's splits within its limits (at least
-    MIN_CHUNKS_PER_SPLIT chunks, max_splits, and splits * rows within MAX_SPLIT_ROWS, GATHER_SPLIT_ROWS where each
-    block gathers x) and its x tile within X_SMEM_BYTES (smem_rows rows of x gathered per block; 0 for none: x
-    staged once per launch). Ties go to the plan with fewer waves, then more blocks."""
-    split_rows = GATHER_SPLIT_ROWS if smem_rows else MAX_SPLIT_ROWS
-    slots = n_sm * per_sm
-    strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
-    col_blocks = [-(-lay.strips // strips_per_block) for lay in layouts]
-    lo, hi = [], []
-    for lay in layouts:
-        chunks = len(lay.chunk_bits)
-        n = 1
-        while smem_rows and _tile_bytes(split_starts(lay.chunk_bits, n), smem_rows) > X_SMEM_BYTES:
-            n += 1
-        lo.append(n)
-        hi.append(max(n, min(chunks // MIN_CHUNKS_PER_SPLIT, split_rows // rows, max_splits)))
-    best = None
-    for b, h in zip(strip_bytes, hi):
-        for s in range(1, h + 1):              # candidate bytes per warp: b / s
-            splits = [min(hq, max(lq, math.ceil(bq * s / b))) for bq, lq, hq in zip(strip_bytes, lo, hi)]
-            blocks = sum(c * n for c, n in zip(col_blocks, splits))
-            seconds = _launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, strips_per_block, rows)
-            key = (round(seconds, 8), -(-blocks // slots), -blocks)
-            if best is None or key < best[0]:
-                best = (key, splits)
-    if max(best[1]) > MAX_SPLITS:
-        raise UnsupportedFormatError(f"a layer of K = {layouts[0].k} needs {max(best[1])} splits of K for its x "
-                                     f"tile; the kernels take at most {MAX_SPLITS}")
-    return best[1]
 
 
 @dataclass(frozen=True)
@@ -480,39 +379,6 @@ def _check_fp16(*tensors: Tensor | None) -> None:
         if t is not None and t.dtype != torch.float16:
             raise DeviceError(f"the CUDA quantized matmul takes fp16 activations, got {t.dtype}; load the model "
                               f"with dtype=torch.float16")
-
-
-def rows_class(rows: int) -> int:
-    """The small-M kernel for `rows` rows of x (1, 8 or 16), i.e. the rows stage_xs stages for it."""
-    return 1 if rows == 1 else 8 if rows <= 8 else 16
-
-
-def small_blocks(layouts: list[LaneLayout], rows: int, n_sm: int) -> tuple[int, list[int]]:
-    """(strips per block, splits per part) of the small-M launch for `rows` rows of x: blocks of the first of
-    SMALL_STRIPS_PER_BLOCK (8 strips, the measured default), or of another count where _launch_seconds rates its
-    best splits SMALL_BLOCKS_GAIN faster (the model is coarse: a few percent decide nothing)."""
-    shapes = tuple(Shape(lay.k, lay.strips, tuple(lay.chunk_bits)) for lay in layouts)
-    spb, splits = _small_blocks(shapes, rows, n_sm, RESIDENT_BLOCKS[rows_class(rows)], SMALL_STRIPS_PER_BLOCK)
-    return spb, list(splits)
-
-
-Shape = NamedTuple("Shape", [("k", int), ("strips", int), ("chunk_bits", tuple)])    # what planning reads of a layout
-
-
-# Memoised: a model's layers repeat a few shapes, and a plan's search takes ~1 ms (an 8B model's from_pretrained
-# spent 5.5 of its 11.4 s here, H100, 2026-12-06).
-@functools.cache
-def _small_blocks(layouts: tuple[Shape, ...], rows: int, n_sm: int, per_sm: int,
-                  candidates: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
-    plans = []
-    for spb in candidates:
-        splits = choose_splits(layouts, rows, n_sm, per_sm, 0, spb, M1_MAX_SPLITS if rows == 1 else MAX_SPLITS)
-        col_blocks = [-(-lay.strips // spb) for lay in layouts]
-        plans.append((_launch_seconds(strip_bytes, col_blocks, splits, n_sm, per_sm, spb, rows), spb, splits))
-    best = min(plans, key=lambda plan: plan[0])
-    _, spb, splits = best if best[0] < SMALL_BLOCKS_GAIN * plans[0][0] else plans[0]
-    return spb, tuple(splits)
 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
@@ -597,12 +463,12 @@ class QuantMatmul:
         self.biases = [None if b is None else b[:lay.n].to(device, torch.float16).contiguous()
                        for lay, b in zip(layouts, biases)]
         self.counters = [torch.zeros(lay.strips, dtype=torch.int32, device=device) for lay in layouts]  # self-resetting
-        self.plans = {rows: plan_small(layouts, self.biases, self.counters, rows, n_sm)
-                      for rows in range(1, ROWS_PER_PASS + 1)}
-        self.args = {rows: plan.arg() for rows, plan in self.plans.items()}
-        self.dequant_plans = [plan_dequant(lay, n_sm) for lay in layouts]
-        shapes = {gemm_shape(rows) for rows in range(LARGE_M, GEMM_ROWS_LIMIT + 1)}
-        self.gemm_plans = {shape: plan_gemm(layouts, self.biases, shape, n_sm) for shape in shapes}
+        # Plans by rows of x (1..ROWS_PER_PASS), part (dequantize) and gemm_shape, made on first use: they are
+        # host data only (no launch, no sync, so also inside a graph capture), and a model uses few of them.
+        self.plans = Lazy(lambda rows: plan_small(layouts, self.biases, self.counters, rows, n_sm))
+        self.args = Lazy(lambda rows: self.plans[rows].arg())
+        self.dequant_plans = Lazy(lambda i: plan_dequant(layouts[i], n_sm))
+        self.gemm_plans = Lazy(lambda shape: plan_gemm(layouts, self.biases, shape, n_sm))
         wgmma = compute_capability(device) == WGMMA_CC           # what the loader builds sm_90a for
         self.wgmma_plan = plan_wgmma(layouts, self.biases, n_sm) if wgmma else None
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
@@ -719,6 +585,8 @@ class QuantMatmul:
 
     def _gemm(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:
         """The tiled GEMM (gemm.cu), for up to GEMM_ROWS_LIMIT rows."""
+        if x.shape[0] > GEMM_ROWS_LIMIT:
+            raise ValueError(f"the tiled GEMM is planned for at most {GEMM_ROWS_LIMIT} rows of x, got {x.shape[0]}")
         return self._tiled(x, self.gemm_plans[gemm_shape(x.shape[0])], before)
 
     def _wgmma(self, x: Tensor, before: tuple = PLAIN) -> list[Tensor]:

@@ -149,9 +149,10 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkey
     CTA has warps (as small_blocks picks for the 8B gate/up): fused parts whose strip counts are not multiples of
     the block's, normed and gated staging, several segments from one counters tensor."""
     from exl_backends.formats import synthetic
+    from exl_backends.kernels import planning
     from exl_backends.kernels import quant_matmul as qm
     monkeypatch.setenv("EXL_MEGAKERNEL", "1")
-    monkeypatch.setattr(qm, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
+    monkeypatch.setattr(planning, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
     k = 4128
     weights = [synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=1),
                synthetic.random_exl2(k, 300, "0.1:3b_64g/0.9:2b_64g", seed=2)]

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from exl_backends.formats import exl2, synthetic
 from exl_backends.formats.tensors import TensorStore
+from exl_backends.kernels import planning
 from exl_backends.kernels import quant_matmul as qm
 from exl_backends.model import reference
 
@@ -96,6 +97,17 @@ def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
     return w[:, :lay.n].T
 
 
+@pytest.mark.parametrize("bits", qm.WIDTHS)
+def test_unpack_codes_is_the_reference_unpack(bits):
+    """The repack's unpacking (one shift a code where codes never straddle words) gives reference.unpack_bits'
+    codes, signed words (top bit set) included."""
+    codes = torch.randint(0, 2**bits, (96, 40), generator=torch.Generator().manual_seed(bits))
+    codes[0] = 2**bits - 1
+    words = reference.pack_bits(codes, bits)
+    got = qm.unpack_codes(words, bits, 96)
+    assert got.dtype == torch.uint8 and torch.equal(got.long(), reference.unpack_bits(words, bits, 96))
+
+
 @pytest.mark.parametrize("mix", EXL2_MIXES)
 @pytest.mark.parametrize("k,n", [(416, 96), (96, 517)])
 def test_exl2_lane_layout_reads_back_the_reference_weight(mix, k, n):
@@ -158,18 +170,18 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
     plan = qm.plan_small(lays, [None, None], counters, rows, n_sm=132)
     p = plan.params
     assert int(p["n_parts"]) == 2 and int(p["M"]) == rows and int(p["K"]) == 4096
-    assert plan.smem <= qm.X_SMEM_BYTES
+    assert plan.smem <= planning.X_SMEM_BYTES
     # x comes staged (stage_xs): shared memory holds the longest split's chunk_meta entries only
     longest = max(int(np.diff(p["part"]["split_chunk"][i, :int(p["part"]["n_splits"][i]) + 1]).max())
                   for i in range(2))
     assert plan.smem == 8 * longest and int(p["meta_smem"]) == 0
     assert plan.kernel == qm.MATMUL_KERNELS[qm.Format.EXL2, 1 if rows == 1 else 8 if rows <= 8 else 16]
-    assert plan.blocks <= qm.RESIDENT_BLOCKS[qm.rows_class(rows)] * 132   # one wave
+    assert plan.blocks <= planning.RESIDENT_BLOCKS[qm.rows_class(rows)] * 132   # one wave
     block0, ws = 0, 0
     for i, lay in enumerate(lays):
         part = p["part"][i]
         n = int(part["n_splits"])
-        assert 1 <= n <= qm.MAX_SPLITS and (n == 1 or n * rows <= qm.MAX_SPLIT_ROWS)
+        assert 1 <= n <= qm.MAX_SPLITS and (n == 1 or n * rows <= planning.MAX_SPLIT_ROWS)
         assert part["split_chunk"][:n + 1].tolist() == qm.split_starts(lay.chunk_bits, n)
         assert part["split_group"][:n + 1].tolist() == [lay.chunk_group[min(c, len(lay.chunk_group) - 1)]
                                                         for c in part["split_chunk"][:n + 1]]
@@ -206,9 +218,9 @@ def test_sixteen_row_plans_weigh_the_split_reduction_against_the_warps_stream():
     assert qm.small_blocks([lay(6144)], 16, 132)[1] == [5]
     assert qm.small_blocks([lay(4096, 14336)], 16, 132)[1] == [8]
     assert qm.small_blocks([lay(4096)], 1, 132)[1] == [16]
-    assert qm.small_blocks([lay(2048, 8192)], 1, 132)[1] == [qm.M1_MAX_SPLITS] == [16]
+    assert qm.small_blocks([lay(2048, 8192)], 1, 132)[1] == [planning.M1_MAX_SPLITS] == [16]
     bytes_ = [128 * 4 * 128]                     # a strip of 4096 x 4096 at 4 bits
-    assert qm._launch_seconds(bytes_, [16], [16], 132, 1, 8, 16) > qm._launch_seconds(bytes_, [16], [8], 132, 1, 8, 16)
+    assert planning._launch_seconds(bytes_, [16], [16], 132, 1, 8, 16) > planning._launch_seconds(bytes_, [16], [8], 132, 1, 8, 16)
 
 
 def test_the_models_reduction_round_is_the_kernels():
@@ -218,7 +230,7 @@ def test_the_models_reduction_round_is_the_kernels():
     source = (Path(qm.__file__).parent / "qmm.cuh").read_text()
     rows = int(re.search(r"^#define QMM_REDUCE_ROWS (\d+)", source, re.M).group(1))
     loads = int(re.search(r"^constexpr int REDUCE_LOADS = (\d+);", source, re.M).group(1))
-    assert (qm.REDUCE_ROWS, qm.REDUCE_SPLITS) == (rows, loads // 2) and qm.M1_MAX_SPLITS == loads
+    assert (planning.REDUCE_ROWS, planning.REDUCE_SPLITS) == (rows, loads // 2) and planning.M1_MAX_SPLITS == loads
 
 
 def test_planner_prefers_one_full_wave():
@@ -579,7 +591,7 @@ def test_forward_replays_in_a_cuda_graph(m):
 def test_small_m_blocks_of_fewer_strips(strips_per_block, m, monkeypatch):
     """Small-M launches of blocks with fewer than 8 strips (as small_blocks picks for gate/up-like shapes), fused
     parts whose strip counts are not multiples of the block's, against the reference."""
-    monkeypatch.setattr(qm, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
+    monkeypatch.setattr(planning, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
     k = 4128
     weights = [synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=m),
                synthetic.random_exl2(k, 300, "0.1:3b_64g/0.9:2b_64g", seed=m + 1)]
