@@ -3,7 +3,7 @@
 // code: qmm_rows.cuh.
 #include "qmm_rows.cuh"
 
-// Blocks per SM the register budget is fitted to (quant_matmul.RESIDENT_BLOCKS): M1 2, up to 128 registers (it ran
+// Blocks per SM the register budget is fitted to (planning.RESIDENT_BLOCKS): M1 2, up to 128 registers (it ran
 // at 3, 80 registers, until its pipelined batches needed more; 2 blocks measured faster even without them, and 4 no
 // faster); M8 and M16 1 (168-247 registers, pipelined: 8-25 % faster than 2 blocks unpipelined;
 // docs/decode-matmul.md). QMM_M1_BLOCKS: for benchmarks/tune_matmul.py.
