@@ -466,7 +466,6 @@ class QuantMatmul:
         # Plans by rows of x (1..ROWS_PER_PASS), part (dequantize) and gemm_shape, made on first use: they are
         # host data only (no launch, no sync, so also inside a graph capture), and a model uses few of them.
         self.plans = Lazy(lambda rows: plan_small(layouts, self.biases, self.counters, rows, n_sm))
-        self.args = Lazy(lambda rows: self.plans[rows].arg())
         self.dequant_plans = Lazy(lambda i: plan_dequant(layouts[i], n_sm))
         self.gemm_plans = Lazy(lambda shape: plan_gemm(layouts, self.biases, shape, n_sm))
         wgmma = compute_capability(device) == WGMMA_CC           # what the loader builds sm_90a for
@@ -550,7 +549,7 @@ class QuantMatmul:
             plan = self.plans[rows]
             xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
             launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
-                   args=(self.args[rows], self._stage(xs, rows, before), *outs, *nulls,
+                   args=(self.plans[rows].arg(), self._stage(xs, rows, before), *outs, *nulls,
                          self._ws(plan, rows, x.device)),
                    shared_mem=plan.smem)
         return ys
@@ -571,7 +570,7 @@ class QuantMatmul:
         buf = self._stage_buffer(rows, x.device)
         normed = before[2] is not None          # stage_norm keeps the row in shared memory
         launch("matmul_rows", "stage_xs", grid=(-(-k // CHUNK // WARPS), parts, cls), block=(THREADS,),
-               args=(self.args[rows], x, *before, buf), shared_mem=2 * k if normed else 0)
+               args=(self.plans[rows].arg(), x, *before, buf), shared_mem=2 * k if normed else 0)
         return buf
 
     def _ws(self, plan: Plan, rows: int, device: torch.device) -> Tensor | None:
