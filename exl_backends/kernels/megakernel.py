@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from dataclasses import dataclass
 
@@ -31,15 +32,22 @@ from .loader import compute_capability, launch, resident_blocks
 
 FAMILY, KERNEL = "megakernel", "decode_segment_exl2"
 MAX_OPS = 12                    # megakernel.cu MAX_OPS
+MAX_PARAMS = MAX_OPS // 2       # megakernel.cu MAX_PARAMS: a matmul and its stage share their Params
 THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
 STAGE, MATMUL = 0, 1            # megakernel.cu Kind
 MIN_CC = (9, 0)                 # dependent launch (the wait before an op's first read), Hopper's L2
 
 OP_DTYPE = np.dtype([(name, np.uint64) for name in
-                     ("params", "x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
+                     ("x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
                     [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
-                     ("first", np.int32), ("strips_per_block", np.int32)])
-SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32), ("pad", np.int32)])
+                     ("first", np.int32), ("strips_per_block", np.int32), ("params", np.int32), ("pad", np.int32)])
+
+
+@functools.cache
+def segment_dtype(params_dtype: np.dtype) -> np.dtype:
+    """megakernel.cu's Segment for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE)."""
+    return np.dtype([("params", params_dtype, (MAX_PARAMS,)), ("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64),
+                     ("n_ops", np.int32), ("pad", np.int32)], align=True)
 
 
 @dataclass
@@ -48,7 +56,7 @@ class Op:
     kind: int
     blocks: int
     smem: int                   # dynamic shared memory its blocks need
-    params: Tensor              # the matmul's Params in device memory (uint8)
+    params: np.ndarray          # the matmul's Params (0-d quant_matmul.PARAMS_DTYPE), passed in the segment
     tensors: dict               # pointer fields of OP_DTYPE -> tensor (or None)
     eps: float = 0.0
     grid_x: int = 1
@@ -58,12 +66,12 @@ class Op:
 
 class OneRowMatmul:
     """A QuantMatmul's one-row launch pair (stage_xs, then the matmul of `plan`, its quant_matmul.Plan for one row)
-    as chain ops: the plan's Params in device memory (the kernel reads them there), its split partials. The same plan
-    (splits, strips per block) as the launch: the same sums in the same order."""
+    as chain ops: the plan's Params (the segment carries them in the constant bank), its split partials. The same
+    plan (splits, strips per block) as the launch: the same sums in the same order."""
 
     def __init__(self, plan, k: int, stage_blocks: int, device: torch.device):
         self.plan, self.k, self.stage_blocks = plan, k, stage_blocks
-        self.params = torch.from_numpy(plan.params.reshape(1).view(np.uint8).copy()).to(device)
+        self.params = plan.params
         self.ws = torch.empty(plan.ws_floats, dtype=torch.float32, device=device) if plan.ws_floats else None
 
     def append(self, chain: Chain, x: Tensor, before: tuple, xs: Tensor, ys: list[Tensor]) -> None:
@@ -140,7 +148,7 @@ class Chain:
             self._launch(ops[start:start + MAX_OPS])
 
     def _launch(self, ops: list[Op]) -> None:
-        device = ops[0].params.device
+        device = self.done.device
         smem = max(op.smem for op in ops)
         grid = resident_blocks(FAMILY, KERNEL, THREADS, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
@@ -163,15 +171,21 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
 
 
 def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
-    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`."""
-    s = np.zeros((), SEGMENT_DTYPE)
+    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
+    Params once (a stage and its matmul share theirs)."""
+    s = np.zeros((), segment_dtype(ops[0].params.dtype))
+    slots: dict[int, int] = {}
     for i, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
+        slot = slots.setdefault(id(op.params), len(slots))
+        if slot >= MAX_PARAMS:
+            raise ValueError(f"a segment carries at most {MAX_PARAMS} matmuls' Params")
+        s["params"][slot] = op.params
         rec = s["op"][i]
-        rec["params"] = op.params.data_ptr()
         for field, t in op.tensors.items():
             rec[field] = 0 if t is None else t.data_ptr()
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"], rec["strips_per_block"] = \
             op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
+        rec["params"] = slot
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
     return s
 
