@@ -2,6 +2,8 @@
 from our arguments or transformers' spellings of them, and the directory's tokenizer."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,6 +48,16 @@ def hf_loading_arguments(device, dtype, hf_kwargs: dict) -> tuple[torch.device, 
         raise DeviceError(f"device {device} was asked for, but {why}; or run on the CPU (device='cpu', "
                           f"--device cpu)")
     return device, dtype
+
+
+def tokenizer_beside(path: Path) -> Callable:
+    """Starts load_tokenizer(path) in a thread and returns what waits for it (raising its error), so that the
+    tokenizer loads beside the weights: AutoTokenizer's config lookup imports much of transformers once per process
+    (1.1 s on the 2-core CPU machine; with a CUDA build of torch also torch.distributed, FSDP and dynamo, ~3 s)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="exl-tokenizer")
+    future = pool.submit(load_tokenizer, path)
+    pool.shutdown(wait=False)               # the thread ends with the load
+    return future.result
 
 
 def load_tokenizer(path: Path):
