@@ -3,9 +3,11 @@
 // megakernel.py; the run is everything between two attention calls (o projection, post-attention norm, gate/up,
 // silu * up, down, the next block's norm and q/k/v), which launch-per-op took 8 launches for.
 //
-// SEGMENT (the kernel's one argument, by value, ~13.5 KB: CUDA 12.1+ takes up to 32 KB of kernel parameters): the
-//   matmuls' Params (params[0 .. n_params), each in the constant bank as launch-per-op's own argument is), then
-//   ops[0 .. n_ops), each the blocks of one launch it replaces:
+// SEGMENT<N> (the kernel's one argument, by value: CUDA 12.1+ takes up to 32 KB of kernel parameters): the
+//   matmuls' Params (params[0 .. n_params), N / 2 slots, each in the constant bank as launch-per-op's own argument
+//   is), then ops[0 .. n_ops), N slots, each the blocks of one launch it replaces. One kernel per N (2, 4, 8, 12:
+//   decode_segment_exl2_<N>), the launcher taking the smallest that holds its ops: ~2.3 KB for a stage + matmul
+//   pair, ~13.6 KB at N = 12 (benchmarks/bench_chain.py times what parameter bytes cost a launch).
 //   STAGE    stage_xs's grid (grid_x, parts, 1) flattened to `blocks` virtual blocks v = part * grid_x + bx;
 //   MATMUL   the one-row matmul's `blocks` blocks, each of strips_per_block strips (launch-per-op's own plan: a CTA
 //            here is 8 warps, those past strips_per_block idle), reading what the STAGE before it staged at xs. EXL2 only for now: a GPTQ instance
@@ -46,8 +48,6 @@
 
 namespace mk {
 
-constexpr int MAX_OPS = 12;
-constexpr int MAX_PARAMS = MAX_OPS / 2;    // a matmul and the stage in front of it share one
 enum Kind { STAGE = 0, MATMUL = 1 };
 
 // Field order: pointers, then 4-byte values (megakernel.OP_DTYPE mirrors it; a host test compares the offsets).
@@ -72,9 +72,10 @@ struct Op {
     int pad;
 };
 
+template <int N>
 struct Segment {
-    qmm::Params params[MAX_PARAMS];
-    Op op[MAX_OPS];
+    qmm::Params params[N / 2];           // a matmul and the stage in front of it share one
+    Op op[N];
     int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
 };
@@ -148,11 +149,11 @@ __device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, in
         qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, op.strips_per_block, wait);
 }
 
-template <class Fmt>
-__device__ void decode_segment(const Segment& s)
+template <class Fmt, int N>
+__device__ void decode_segment(const Segment<N>& s)
 {
     __shared__ int poller_s;                        // CounterWait's
-    __shared__ unsigned long long barriers_s[MAX_OPS];
+    __shared__ unsigned long long barriers_s[N];
     const int c = blockIdx.x, G = gridDim.x;
     if (threadIdx.x < s.n_ops)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
@@ -180,18 +181,21 @@ __device__ void decode_segment(const Segment& s)
 
 }  // namespace mk
 
-#define MK_SEGMENT(NAME, FMT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 2) NAME(const __grid_constant__ mk::Segment s)         \
+#define MK_SEGMENT(NAME, FMT, N)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 2) NAME(const __grid_constant__ mk::Segment<N> s)      \
     {                                                                                                                  \
-        MK_BODY(FMT)                                                                                                   \
+        MK_BODY(FMT, N)                                                                                                \
     }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define MK_BODY(FMT) __trap();                         /* sm_90+ only (mbarriers' try_wait): never launched below */
+#define MK_BODY(FMT, N) __trap();                         /* sm_90+ only (mbarriers' try_wait): never launched below */
 #else
-#define MK_BODY(FMT)                                                                                                   \
+#define MK_BODY(FMT, N)                                                                                                \
     exl::pdl_trigger();                                                                                               \
-    mk::decode_segment<FMT>(s);
+    mk::decode_segment<FMT, N>(s);
 #endif
 
-MK_SEGMENT(decode_segment_exl2, qmm::Exl2)
+MK_SEGMENT(decode_segment_exl2_2, qmm::Exl2, 2)
+MK_SEGMENT(decode_segment_exl2_4, qmm::Exl2, 4)
+MK_SEGMENT(decode_segment_exl2_8, qmm::Exl2, 8)
+MK_SEGMENT(decode_segment_exl2_12, qmm::Exl2, 12)

@@ -5,7 +5,7 @@ How it is used: while a decode step of one sequence is captured (runner.DecodeGr
 stage_xs and matmul kernels but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
 before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
 becomes one launch of
-decode_segment_exl2, which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
+decode_segment_exl2_<N> (the smallest N of SIZES that holds them), which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
 one before through a counter in device memory. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
 block's norm + q/k/v) in one.
 
@@ -30,9 +30,9 @@ from torch import Tensor
 
 from .loader import compute_capability, launch, resident_blocks
 
-FAMILY, KERNEL = "megakernel", "decode_segment_exl2"
-MAX_OPS = 12                    # megakernel.cu MAX_OPS
-MAX_PARAMS = MAX_OPS // 2       # megakernel.cu MAX_PARAMS: a matmul and its stage share their Params
+FAMILY = "megakernel"
+SIZES = (2, 4, 8, 12)           # the ops a segment kernel holds (megakernel.cu decode_segment_exl2_<N>)
+MAX_OPS = SIZES[-1]
 THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
 STAGE, MATMUL = 0, 1            # megakernel.cu Kind
 MIN_CC = (9, 0)                 # dependent launch (the wait before an op's first read), Hopper's L2
@@ -44,10 +44,21 @@ OP_DTYPE = np.dtype([(name, np.uint64) for name in
 
 
 @functools.cache
-def segment_dtype(params_dtype: np.dtype) -> np.dtype:
-    """megakernel.cu's Segment for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE)."""
-    return np.dtype([("params", params_dtype, (MAX_PARAMS,)), ("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64),
+def segment_dtype(params_dtype: np.dtype, n: int) -> np.dtype:
+    """megakernel.cu's Segment<n> for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE): n ops, n / 2 Params
+    (a matmul and its stage share theirs)."""
+    return np.dtype([("params", params_dtype, (n // 2,)), ("op", OP_DTYPE, (n,)), ("done", np.uint64),
                      ("n_ops", np.int32), ("pad", np.int32)], align=True)
+
+
+def size_for(n_ops: int) -> int:
+    """The smallest segment kernel that holds n_ops: every launch carries its whole argument, so a pair of ops
+    should not pay for twelve."""
+    return next(n for n in SIZES if n >= n_ops)
+
+
+def kernel_name(n_ops: int) -> str:
+    return f"decode_segment_exl2_{size_for(n_ops)}"
 
 
 @dataclass
@@ -150,14 +161,15 @@ class Chain:
     def _launch(self, ops: list[Op]) -> None:
         device = self.done.device
         smem = max(op.smem for op in ops)
-        grid = resident_blocks(FAMILY, KERNEL, THREADS, smem) * torch.cuda.get_device_properties(
+        kernel = kernel_name(len(ops))
+        grid = resident_blocks(FAMILY, kernel, THREADS, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
         at = self.used
         if at + len(ops) + 1 > self.done.numel():
             raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
         done = self.done[at:at + len(ops) + 1]
         self.used += len(ops) + 1
-        launch(FAMILY, KERNEL, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
+        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
         self.segments.append((ops, grid))
 
 
@@ -173,12 +185,13 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
 def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
     """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
     Params once (a stage and its matmul share theirs)."""
-    s = np.zeros((), segment_dtype(ops[0].params.dtype))
+    n = size_for(len(ops))
+    s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
     slots: dict[int, int] = {}
     for i, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
         slot = slots.setdefault(id(op.params), len(slots))
-        if slot >= MAX_PARAMS:
-            raise ValueError(f"a segment carries at most {MAX_PARAMS} matmuls' Params")
+        if slot >= n // 2:
+            raise ValueError(f"a segment of {len(ops)} ops carries at most {n // 2} matmuls' Params")
         s["params"][slot] = op.params
         rec = s["op"][i]
         for field, t in op.tensors.items():
