@@ -54,10 +54,10 @@ def calls_of(block: dict, inputs: dict) -> dict:
             "down": lambda: block["down"].forward(gate, up)}
 
 
-def chained(calls: list, flags: torch.Tensor):
-    """calls as one segment launch (flags: mk.flags(), shared by every launch)."""
+def chained(calls: list, done: torch.Tensor):
+    """calls as one segment launch, counters from `done` (a call of its own per launch: mk.MAX_OPS + 1 of them)."""
     def run():
-        with mk.chaining(flags):
+        with mk.chaining(done):
             for f in calls:
                 f()
     return run
@@ -117,12 +117,13 @@ def bench_shape(shape: str, eager: bool, defines: list[str]) -> None:
 
 def table(shape: str, blocks: list, per_block: list, nbytes: dict, eager: bool) -> list[str]:
     """Each matmul's launches against its segment, then the whole block's; eager: only run them (for ncu)."""
-    flags = mk.flags(torch.device("cuda"))
+    stride = mk.MAX_OPS + 1
+    done = mk.counters(len(blocks) * 5, torch.device("cuda"))
     rows = []
     for i, name in enumerate(list(nbytes) + ["block"]):
         plain = [c[name] for c in per_block] if name != "block" else [f for c in per_block for f in c.values()]
         ops = [[c[name]] if name != "block" else list(c.values()) for c in per_block]
-        seg = [chained(calls, flags) for calls in ops]
+        seg = [chained(calls, done[(j * 5 + i) * stride:]) for j, calls in enumerate(ops)]
         if eager:                                   # for ncu: two launches of each on the first copy, no graph
             for f in plain[:len(plain) // len(blocks)] * 2 + seg[:1] * 2:
                 f()

@@ -311,7 +311,7 @@ def decode_schedule(model: Model | TensorParallelModel) -> str:
                 "EXL2 weights, a Llama-family block, and EXL_MEGAKERNEL=1 (it is off by default)")
     cache = _cache(model, 2, 256, "fp16")
     batch = Batch.build([SeqChunk([1], 0, cache.pool.allocate(1))], 256, model.device)
-    with megakernel.chaining(megakernel.flags(model.device)) as chain:
+    with megakernel.chaining(megakernel.counters(len(model.blocks), model.device)) as chain:
         model.forward(batch, cache)
     segments = chain.segments
     shown = list(enumerate(segments))

@@ -14,23 +14,15 @@
 //            (qmm::Gptq) spills ~370 bytes at the 128 registers of two CTAs per SM (ptxas -v), where gptq_matmul_m1
 //            spills none; GPTQ models keep launch-per-op.
 //   Virtual block v of op k runs on CTA (op.first + v) % gridDim.x: megakernel.py's schedule picks `first` (and
-//   prints it).
+//   prints it). done[k] counts op k's finished blocks; done[n_ops] the CTAs that finished the segment.
 //
-// FLAGS. flags[32 c] (a 128-byte line each, so no two CTAs write one line) is the number of ops CTA c has finished,
-//   counted on from where the launch before left it (its `base`, read after the dependent-launch wait: every CTA
-//   ends a launch at base + n_ops, so every CTA starts the next one with the same base). Flags only grow: nothing
-//   is reset between launches or graph replays. A CTA publishes base + k + 1 when it has finished its blocks of op
-//   k (a block barrier, then one release store by thread 0), and base + n_ops at its end.
-//
-// ORDER. Before a block of op k reads any op's output, each of its warps waits until every CTA that ran a block of
-//   op k - 1 has published base + k (FlagWait, where launch-per-op has its dependent-launch wait: what reads only
-//   weights comes first): op k - 1 is complete, and so (its blocks waited in turn) is every op before, so each op
-//   reads finished outputs and no op overwrites what an earlier one still reads, exactly as the launches' stream
-//   order guaranteed. One warp per CTA polls those flags (each lane a 32nd of them, acquire loads, which also
-//   invalidate the SM's L1: no stale line of a buffer another CTA wrote is read), then passes the op on to the
-//   CTA's other warps by an mbarrier they wait on suspended. (The first cut counted finished blocks in one counter
-//   per op: every CTA's release add went to one address, serialised in one L2 slice, and the last CTA reset the
-//   counters with one more contended add: benchmarks/bench_chain.py times both ways.)
+// ORDER. Before a block of op k reads any op's output, each of its warps waits until done[k - 1] ==
+//   ops[k - 1].blocks (CounterWait, where launch-per-op has its dependent-launch wait: what reads only weights comes
+//   first): op k - 1 is complete, and so (its blocks waited in turn) is every op before, so each op reads finished
+//   outputs and no op overwrites what an earlier one still reads, exactly as the launches' stream order guaranteed.
+//   The wait is one acquire load per CTA (which also invalidates the SM's L1: no stale line of a buffer another
+//   CTA wrote is read), passed on to its warps by an mbarrier they wait on suspended; the signal is a block barrier
+//   and one release add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
 //
 // WEIGHTS BEFORE THE WAIT. What reads only weights (in the blocks, their chunk metadata and first L2 prefetches)
 //   comes before the wait, as launch-per-op does before its dependent-launch
@@ -84,78 +76,50 @@ template <int N>
 struct Segment {
     qmm::Params params[N / 2];           // a matmul and the stage in front of it share one
     Op op[N];
-    unsigned* flags;             // [32 * gridDim.x] (FLAGS above)
+    int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
 };
+
+__device__ __forceinline__ int load_acquire(const int* p)
+{
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void release_add(int* p, int v)
+{
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 // The first virtual block of op that CTA c runs (blocks past op.blocks: none).
 __device__ __forceinline__ int first_block(const Op& op, int c, int G) { return ((c - op.first) % G + G) % G; }
 
-__device__ __forceinline__ unsigned load_acquire_u32(const unsigned* p)
-{
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void store_release_u32(unsigned* p, unsigned v)
-{
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// The launch's base (FLAGS): this CTA's flag as the launch before left it, read by one thread once (after its
-// dependent-launch wait) into shared memory; every later reader is ordered after it by the mbarrier of the op
-// that read it or by a block barrier.
-struct Base {
-    unsigned value;
-    int read;
-
-    __device__ __forceinline__ unsigned get(const unsigned* flags)
-    {
-        if (!read) {
-            value = flags[32 * blockIdx.x];
-            read = 1;
-        }
-        return value;
-    }
-};
-
-// The wait of op k's blocks (qmm::PdlWait's place): the launch before, then every CTA that ran a block of op k - 1
-// (op 0: the launch before only). Called per warp (a block's warps may have returned already): the first warp of
-// the CTA to get here (it takes `poller`) reads the base and polls the producers' flags, each lane a 32nd of them,
-// then its lane 0 arrives on the op's mbarrier in shared memory; every other warp waits on that mbarrier,
-// suspended (a warp spinning on a shared-memory flag took issue slots from the other CTA's working warps on the
-// same SM: ncu, 2026-12-06). Each op has an mbarrier of its own, used for one phase (parity 0), so a CTA's later
-// blocks of the same op pass at once. The lanes' acquires, the warp barrier and the mbarrier's CTA-scope
-// release/acquire order the producers' writes before every warp's reads.
-struct FlagWait {
-    const unsigned* flags;
-    int first, ctas;             // op k - 1 ran on CTAs (first + j) % gridDim.x, j < ctas (0: op 0)
-    unsigned k;
+// The wait of op k's blocks (qmm::PdlWait's place): the launch before, then op k - 1's blocks (counter null: op 0).
+// Called per warp (a block's warps may have returned already), but one lane of the CTA polls the counter in device
+// memory (the first to take `poller`) and then arrives on the op's mbarrier in shared memory; every other warp waits
+// on that mbarrier, suspended: a warp spinning on a shared-memory flag issued instructions all the while, taking
+// issue slots from the other CTA's working warps on the same SM (ncu, 2026-12-06: the 1B block's segment executed
+// 1.49x the instructions of its launches; branch-resolving stalls 3.1 against 0.2). Each op has an mbarrier of its
+// own, used for one phase (parity 0), so a CTA's later blocks of the same op pass at once. The poller's acquire
+// (which also invalidates the SM's L1) and the mbarrier's CTA-scope release/acquire order the op before's writes
+// before every warp's reads.
+struct CounterWait {
+    const int* counter;
+    int target;
     int* poller;                 // shared memory, zero at the op's start
-    Base* base;                  // shared memory
     unsigned barrier;            // shared-memory address of the op's mbarrier (arrival count 1)
 
     __device__ __forceinline__ void operator()() const
     {
         exl::pdl_wait();
-        const int lane = threadIdx.x % 32;
-        int polls = 0;
-        if (lane == 0) polls = atomicCAS(poller, 0, 1) == 0;
-        if (__shfl_sync(0xffffffffu, polls, 0)) {
-            unsigned target = 0;
-            if (lane == 0) target = base->get(flags) + k;
-            target = __shfl_sync(0xffffffffu, target, 0);
-            for (int j = lane; j < ctas; j += 32) {
-                const unsigned* f = flags + 32 * ((first + j) % (int)gridDim.x);
-                while ((int)(load_acquire_u32(f) - target) < 0)
+        if (counter == nullptr) return;
+        if (threadIdx.x % 32 == 0) {
+            if (atomicCAS(poller, 0, 1) == 0) {
+                while (load_acquire(counter) < target)
                     if (MK_POLL_NS) __nanosleep(MK_POLL_NS);
-            }
-            __syncwarp();
-            if (lane == 0)
                 asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
-        }
-        if (lane == 0)
+            }
             asm volatile(
                 "{\n"
                 ".reg .pred done;\n"
@@ -164,6 +128,7 @@ struct FlagWait {
                 "@!done bra WAIT;\n"
                 "}\n" ::"r"(barrier), "n"(MK_SUSPEND_NS)
                 : "memory");
+        }
         __syncwarp();
     }
 };
@@ -175,7 +140,7 @@ __device__ __forceinline__ unsigned smem_address(const void* p) { return (unsign
 // arithmetic per-thread (SASS, 2026-12-06: twice the LEA / ISETP, +50 % MOV, no ULDC), ~4 K more warp instructions a
 // block (ncu), and each op ~0.6 us slower than its own launch.
 template <class Fmt>
-__device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, int v, const FlagWait& wait)
+__device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, int v, const CounterWait& wait)
 {
     if (op.kind == STAGE)
         qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
@@ -184,22 +149,12 @@ __device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, in
         qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, op.strips_per_block, wait);
 }
 
-// This CTA has finished `ops` ops of the launch. (Where no warp of it waited yet, e.g. a CTA that ran no block,
-// its own flag may still be the launch before's: the dependent-launch wait first.)
-__device__ __forceinline__ void publish(unsigned* flags, Base& base, unsigned ops)
-{
-    if (!base.read) exl::pdl_wait();
-    store_release_u32(flags + 32 * blockIdx.x, base.get(flags) + ops);
-}
-
 template <class Fmt, int N>
 __device__ void decode_segment(const Segment<N>& s)
 {
-    __shared__ int poller_s;                        // FlagWait's
-    __shared__ Base base_s;
+    __shared__ int poller_s;                        // CounterWait's
     __shared__ unsigned long long barriers_s[N];
     const int c = blockIdx.x, G = gridDim.x;
-    if (threadIdx.x == 0) base_s.read = 0;
     if (threadIdx.x < s.n_ops)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
     for (int k = 0; k < s.n_ops; ++k) {
@@ -210,16 +165,18 @@ __device__ void decode_segment(const Segment<N>& s)
         // prefetches), as launch-per-op does before its dependent-launch wait
         if (threadIdx.x == 0) poller_s = 0;
         __syncthreads();                               // (also publishes the mbarriers' init, before op 0)
-        const FlagWait wait{s.flags, k > 0 ? s.op[k - 1].first : 0, k > 0 ? min(s.op[k - 1].blocks, G) : 0,
-                            (unsigned)k, &poller_s, &base_s, smem_address(barriers_s + k)};
-        for (int v = v0; v < op.blocks; v += G) {
+        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s,
+                               smem_address(barriers_s + k)};
+        int ran = 0;
+        for (int v = v0; v < op.blocks; v += G, ++ran) {
             run_block<Fmt>(op, s.params[op.params], v, wait);
             __syncthreads();                           // shared memory is the next block's
         }
-        if (threadIdx.x == 0) publish(s.flags, base_s, k + 1);
+        if (threadIdx.x == 0) release_add(s.done + k, ran);
     }
     __syncthreads();
-    if (threadIdx.x == 0) publish(s.flags, base_s, s.n_ops);
+    if (threadIdx.x == 0 && exl::arrive(s.done + s.n_ops) == G - 1)
+        for (int k = 0; k <= s.n_ops; ++k) s.done[k] = 0;
 }
 
 }  // namespace mk

@@ -6,13 +6,13 @@ stage_xs and matmul kernels but appends them to the chain as two ops, and return
 before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
 becomes one launch of
 decode_segment_exl2_<N> (the smallest N of SIZES that holds them), which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
-one before through flags in device memory (a line per CTA). For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
+one before through a counter in device memory. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
 block's norm + q/k/v) in one.
 
 The schedule (which CTA runs which block, and what it waits on) is plain arithmetic, `schedule()`, printed by
 `describe()` (`exl bench --schedule`): virtual block v of op k runs on CTA (first_k + v) % G, and op k starts on the
 CTA after the one that ran op k - 1's last block, so that CTAs that got fewer blocks of one op get the first of the
-next. G is every CTA that fits the GPU at once (the kernel spins on flags: all of them must be resident).
+next. G is every CTA that fits the GPU at once (the kernel spins on counters: all of them must be resident).
 
 Off by default: measured on an H200 (2026-12-06) it is 5-10 % slower than launch-per-op (docs/megakernel.md);
 `EXL_MEGAKERNEL=1` turns it on, for the work that folds attention in and for comparing."""
@@ -47,7 +47,7 @@ OP_DTYPE = np.dtype([(name, np.uint64) for name in
 def segment_dtype(params_dtype: np.dtype, n: int) -> np.dtype:
     """megakernel.cu's Segment<n> for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE): n ops, n / 2 Params
     (a matmul and its stage share theirs)."""
-    return np.dtype([("params", params_dtype, (n // 2,)), ("op", OP_DTYPE, (n,)), ("flags", np.uint64),
+    return np.dtype([("params", params_dtype, (n // 2,)), ("op", OP_DTYPE, (n,)), ("done", np.uint64),
                      ("n_ops", np.int32), ("pad", np.int32)], align=True)
 
 
@@ -107,26 +107,21 @@ def enabled(device: torch.device) -> bool:
 _chain: contextvars.ContextVar[Chain | None] = contextvars.ContextVar("exl_megakernel_chain", default=None)
 
 
-FLAG_STRIDE = 32                # ints per CTA's flag: a 128-byte line each (megakernel.cu FLAGS)
-MAX_CTAS_PER_SM = 4             # flags made for (the kernel fits 2: 128 registers x 256 threads)
-
-
-def flags(device: torch.device) -> Tensor:
-    """The flags every segment launch of a step shares (chaining's argument; made before a graph capture: a
-    torch.zeros inside one would be a captured memset replayed every step). They only grow, launch after launch
-    (megakernel.cu FLAGS): nothing resets them."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return torch.zeros(FLAG_STRIDE * MAX_CTAS_PER_SM * sms, dtype=torch.int32, device=device)
+def counters(n_layers: int, device: torch.device) -> Tensor:
+    """Zeros for the counters of a decode step's launches (chaining's `done`; made before a graph capture: a
+    torch.zeros inside one would be a captured memset replayed every step): one launch ends at each layer's q/k/v,
+    one after the last layer, one for a quantized head. Each launch leaves its own zero."""
+    return torch.zeros((n_layers + 2) * (MAX_OPS + 1), dtype=torch.int32, device=device)
 
 
 @contextlib.contextmanager
-def chaining(segment_flags: Tensor | None):
-    """Inside, one-row EXL2 matmuls join a chain that flush() launches as one kernel, its CTAs ordering their ops by
-    `segment_flags` (flags()); None: a no-op. What is not flushed when it exits is flushed then."""
-    if segment_flags is None:
+def chaining(done: Tensor | None):
+    """Inside, one-row EXL2 matmuls join a chain that flush() launches as one kernel, each launch taking its
+    counters from `done` (counters()); done None: a no-op. What is not flushed when it exits is flushed then."""
+    if done is None:
         yield None
         return
-    chain = Chain(segment_flags)
+    chain = Chain(done)
     token = _chain.set(chain)
     try:
         yield chain
@@ -148,11 +143,11 @@ def flush() -> None:
 
 
 class Chain:
-    """The ops appended since the last flush; the segments launched so far."""
+    """The ops appended since the last flush; the segments launched so far, each with its slice of `done`."""
 
-    def __init__(self, segment_flags: Tensor) -> None:
+    def __init__(self, done: Tensor) -> None:
         self.ops: list[Op] = []
-        self.flags = segment_flags
+        self.done, self.used = done, 0
         self.segments: list[tuple[list[Op], int]] = []      # (ops, grid) of each launch, for describe()
 
     def append(self, op: Op) -> None:
@@ -164,17 +159,17 @@ class Chain:
             self._launch(ops[start:start + MAX_OPS])
 
     def _launch(self, ops: list[Op]) -> None:
-        device = self.flags.device
+        device = self.done.device
         smem = max(op.smem for op in ops)
         kernel = kernel_name(len(ops))
         grid = resident_blocks(FAMILY, kernel, THREADS, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
-        # a CTA reads the launch's base from its own flag, which only the launches of one grid keep level
-        if self.segments and grid != self.segments[0][1] or grid * FLAG_STRIDE > self.flags.numel():
-            raise ValueError(f"a megakernel launch of {grid} CTAs after ones of {self.segments[0][1] if self.segments else '-'}"
-                             f" with flags for {self.flags.numel() // FLAG_STRIDE}: one chain's launches share one grid")
-        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, self.flags),),
-               shared_mem=smem)
+        at = self.used
+        if at + len(ops) + 1 > self.done.numel():
+            raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
+        done = self.done[at:at + len(ops) + 1]
+        self.used += len(ops) + 1
+        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
         self.segments.append((ops, grid))
 
 
@@ -187,9 +182,9 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
     return firsts
 
 
-def segment(ops: list[Op], grid: int, segment_flags: Tensor) -> np.ndarray:
-    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs ordered by `segment_flags`: each
-    distinct Params once (a stage and its matmul share theirs)."""
+def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
+    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
+    Params once (a stage and its matmul share theirs)."""
     n = size_for(len(ops))
     s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
     slots: dict[int, int] = {}
@@ -204,7 +199,7 @@ def segment(ops: list[Op], grid: int, segment_flags: Tensor) -> np.ndarray:
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"], rec["strips_per_block"] = \
             op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
         rec["params"] = slot
-    s["flags"], s["n_ops"] = segment_flags.data_ptr(), len(ops)
+    s["done"], s["n_ops"] = done.data_ptr(), len(ops)
     return s
 
 
@@ -214,14 +209,8 @@ def describe(ops: list[Op], grid: int) -> str:
     for k, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
         last = (first + op.blocks - 1) % grid
         span = f"CTAs {first}..{last}" if op.blocks <= grid else f"every CTA ({op.blocks / grid:.1f} blocks each)"
-        if k:
-            before = ops[k - 1]
-            ctas = min(before.blocks, grid)
-            wait = f"waits for op {k - 1}: the flags of its {ctas} CTAs at base + {k}"
-        else:
-            wait = "waits for the launch before"
+        wait = f"waits for op {k - 1} (done[{k - 1}] = {ops[k - 1].blocks})" if k else "waits for the launch before"
         what = "stage x" if op.kind == STAGE else "matmul"
-        lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then each of its CTAs "
-                     f"publishes base + {k + 1}")
+        lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then done[{k}] += 1 a block")
     return "\n".join(lines)
 

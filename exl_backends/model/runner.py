@@ -94,9 +94,9 @@ class DecodeGraph:
         if dev.type != "cuda":
             return
         # one sequence's decode step: its runs of one-row matmuls between attention calls as megakernel launches
-        self.segment_flags = None
+        self.segment_counters = None
         if n_rows == 1 and isinstance(model, Model) and megakernel.enabled(dev) and model.chainable():
-            self.segment_flags = megakernel.flags(dev)
+            self.segment_counters = megakernel.counters(len(model.blocks), dev)
         carry = None
         for k, stage in enumerate(model.stages):
             with torch.cuda.device(stage.device):
@@ -104,7 +104,7 @@ class DecodeGraph:
                     inputs = tuple(torch.zeros_like(t, device=stage.device) for t in carry)
                     self.handoffs.append((carry, inputs))
                     carry = inputs
-                graph, carry = _capture(model, k, self.stage_batches[k], cache, carry, pool, self.segment_flags)
+                graph, carry = _capture(model, k, self.stage_batches[k], cache, carry, pool, self.segment_counters)
                 self.graphs.append(graph)
         self.logits = carry
 
@@ -179,16 +179,16 @@ class DecodeGraph:
 
 
 def _capture(model: Model, k: int, batch: Batch, cache: KVCache, carry, pool,
-             segment_flags: Tensor | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+             segment_counters: Tensor | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
     """Stage k's forward captured on its device (the current one): (the graph, its static output). With
-    segment_flags (megakernel.flags), under megakernel.chaining."""
+    segment_counters (megakernel.counters), under megakernel.chaining."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), megakernel.chaining(segment_flags):   # warm-up: compiles, settles allocations
+    with torch.cuda.stream(side), megakernel.chaining(segment_counters):   # warm-up: compiles, settles allocations
         model.stage_forward(k, batch, cache, carry)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with capturing(graph, pool, side), megakernel.chaining(segment_flags):   # (side: torch's default capture
+    with capturing(graph, pool, side), megakernel.chaining(segment_counters):   # (side: torch's default capture
         out = model.stage_forward(k, batch, cache, carry)                      # stream is the first device's)
     return graph, out
 

@@ -50,7 +50,7 @@ def test_describe_names_every_op_and_what_it_waits_for():
            mk.Op(mk.MATMUL, 400, 64, params, {}, name="4096 x 4096")]
     text = mk.describe(ops, 264)
     assert "one launch of 264 CTAs" in text and "op 0: stage x 4096 x 4096: 16 blocks on CTAs 0..15" in text
-    assert "op 1: matmul 4096 x 4096: 400 blocks on every CTA (1.5 blocks each); waits for op 0: the flags of its 16 CTAs at base + 1" in text
+    assert "op 1: matmul 4096 x 4096: 400 blocks on every CTA (1.5 blocks each); waits for op 0 (done[0] = 16)" in text
 
 
 HARNESS = r"""
@@ -59,7 +59,7 @@ HARNESS = r"""
 #include <cstdio>
 int main() {
     OFFSETS
-    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op), offsetof(mk::Segment<SEGMENT_N>, flags),
+    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op), offsetof(mk::Segment<SEGMENT_N>, done),
            offsetof(mk::Segment<SEGMENT_N>, n_ops), sizeof(mk::Segment<SEGMENT_N>));
 }
 """
@@ -77,7 +77,7 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path, n):
     assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
     seg = mk.segment_dtype(qm.PARAMS_DTYPE, n)
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
-        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["flags"][1], seg.fields["n_ops"][1], seg.itemsize]
+        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["done"][1], seg.fields["n_ops"][1], seg.itemsize]
     assert seg.itemsize <= 32764            # the kernel parameter space (CUDA 12.1+)
 
 
@@ -142,15 +142,15 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
     assert model.chainable()
     cache, step = decode_step(model, cache_mode, 70)
     plain = model.forward(step, cache).clone()
-    with mk.chaining(mk.flags(model.device)) as chain:
+    with mk.chaining(mk.counters(len(model.blocks), model.device)) as chain:
         chained = model.forward(step, cache).clone()
     # each block's q/k/v ends one, the last block's MLP one, a quantized head one
     assert len(chain.segments) == len(model.blocks) + 1 + (getattr(model.lm_head, "kernel", None) is not None)
     assert torch.equal(chained, plain)
     again = Runner(model, cache, max_batch=1, max_pages=4, eager=False)
-    for _ in range(3):                                           # replays go on from the flags the last one left
+    for _ in range(3):                                           # the counters reset themselves between replays
         assert torch.equal(again.forward(step), plain)
-    assert again.graphs.by_shape[1, 1].segment_flags is not None
+    assert again.graphs.by_shape[1, 1].segment_counters is not None
 
 
 @on_gpu
@@ -158,7 +158,7 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
 def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkeypatch):
     """Each op of a segment runs launch-per-op's plan, also where that plan's blocks have fewer strips than the
     CTA has warps (as small_blocks picks for the 8B gate/up): fused parts whose strip counts are not multiples of
-    the block's, normed and gated staging, several segments from one flags tensor."""
+    the block's, normed and gated staging, several segments from one counters tensor."""
     from exl_backends.formats import synthetic
     from exl_backends.kernels import planning
     from exl_backends.kernels import quant_matmul as qm
@@ -173,18 +173,16 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkey
     h, residual, up = ((torch.randn(1, k, generator=gen) * s).half().cuda() for s in (1, 4, 1))
     w = (torch.rand(k, generator=gen) + 0.5).half().cuda()
     (normed, new), gated = f.forward_normed(h, residual, w, 1e-5), f.forward(h, up)
-    flags = mk.flags(torch.device("cuda"))
-    for launches in (2, 4):                                  # the flags go on growing: nothing resets them
-        with mk.chaining(flags) as chain:
+    done = mk.counters(2, torch.device("cuda"))
+    for _ in range(2):                                       # the counters reset themselves
+        with mk.chaining(done) as chain:
             chained_normed, chained_new = f.forward_normed(h, residual, w, 1e-5)
             mk.flush()
             chained_gated = f.forward(h, up)
         assert len(chain.segments) == 2 and all(len(ops) == 2 for ops, _ in chain.segments)
         assert torch.equal(chained_new, new)
         assert all(torch.equal(a, b) for a, b in zip(chained_normed + chained_gated, normed + gated))
-        grid = chain.segments[0][1]
-        level = flags.view(-1, mk.FLAG_STRIDE)[:, 0]
-        assert torch.all(level[:grid] == 2 * launches) and torch.all(level[grid:] == 0)   # each launch: 2 ops
+        assert done.count_nonzero() == 0
 
 
 @on_gpu
@@ -198,7 +196,7 @@ def test_greedy_generation_is_unchanged_by_the_megakernel(monkeypatch):
                                                max_seq_len=512)
         gen = Generator(model, cuda_graphs=True, max_batch_size=1)
         out = gen.submit([509] + list(range(20, 60)), max_new_tokens=64, stop_token_ids=[]).result().token_ids
-        assert (gen.runner.graphs.by_shape[1, 1].segment_flags is not None) == (flag == "1")
+        assert (gen.runner.graphs.by_shape[1, 1].segment_counters is not None) == (flag == "1")
         return out
     assert tokens("1") == tokens("0")
 
