@@ -147,7 +147,6 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.zeros(64, device="cuda")
     state = torch.zeros(2, dtype=torch.int32, device="cuda")
-    flags = torch.zeros(32 * 2 * sms, dtype=torch.int32, device="cuda")    # a 128-byte line per block
     n = args.links
 
     def chain(blocks: int, programmatic: bool):
@@ -159,6 +158,9 @@ def main() -> None:
         return run
 
     def one_kernel(blocks: int, kernel=persistent, sync=state):
+        if kernel is flagged:       # flags of their own per grid: a block's base is its own flag, level across one grid
+            sync = torch.zeros(32 * blocks, dtype=torch.int32, device="cuda")    # a 128-byte line per block
+
         def run():
             driver.launch(kernel, (blocks,), (256,), (buf, sync, n), 0, torch.cuda.current_stream().cuda_stream,
                           False)
@@ -181,7 +183,7 @@ def main() -> None:
         rows.append((f"kernel chain, dependent launch, {blocks} blocks", chain(blocks, cc >= loader.PDL_CC)))
         rows.append((f"kernel chain, plain launches, {blocks} blocks", chain(blocks, False)))
         rows.append((f"one kernel, grid barrier, {blocks} blocks", one_kernel(blocks)))
-        rows.append((f"one kernel, a flag per block, {blocks} blocks", one_kernel(blocks, flagged, flags)))
+        rows.append((f"one kernel, a flag per block, {blocks} blocks", one_kernel(blocks, flagged)))
     for nbytes in BLOB_BYTES:
         rows.append((f"{nbytes:5d} parameter bytes, {2 * sms} blocks, one word", blob_chain(nbytes, 1)))
         rows.append((f"{nbytes:5d} parameter bytes, {2 * sms} blocks, every line", blob_chain(nbytes, nbytes // 64)))
