@@ -249,8 +249,48 @@ def load_parts(args, results: Results) -> None:
                     what=f"load {what}", shape=args.shape, bpw=4.0, seconds=total,
                     from_pretrained_s=t["from_pretrained"], first_token_s=t["first_token"], imports_s=t["imports"],
                     page_cache_read_s=read_s)
+    if args.profile:
+        profile_load(str(model_dir), args.device, kernels, env["HOME"], args.profile)
     if not args.keep:
         shutil.rmtree(model_dir, ignore_errors=True)
+
+
+_PROFILED_LOAD = """
+import cProfile, io, pstats, sys
+profile = cProfile.Profile()
+profile.enable()
+import torch
+from exl_backends import ExlForCausalLM
+model = ExlForCausalLM.from_pretrained(sys.argv[1], device=sys.argv[2], max_seq_len=2048)
+model.generate(torch.tensor([[1, 2, 3, 4]], device=model.device), max_new_tokens=1, do_sample=False)
+if model.device.type == "cuda":
+    torch.cuda.synchronize()
+profile.disable()
+for key, n in (("cumulative", 70), ("tottime", 35)):
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats(key).print_stats(n)
+    print(text.getvalue())
+"""
+
+
+def profile_load(model_dir: str, device: str, kernels: str, home: str, out: Path) -> None:
+    """One more warm load (imports, from_pretrained, first token) under cProfile and -X importtime: where the
+    warm figure's seconds go. Writes load-profile.txt (by cumulative and own time) and load-imports.txt (the
+    slowest imports, cumulative microseconds) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HOME=home, CUPY_CACHE_DIR=kernels)
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c", _PROFILED_LOAD, model_dir, device], env=env,
+                         capture_output=True, text=True)
+    (out / "load-profile.txt").write_text(run.stdout + run.stderr[-3000:] * bool(run.returncode))
+    rows = []
+    for line in run.stderr.splitlines():          # "import time: self [us] | cumulative | imported package"
+        parts = line.removeprefix("import time:").split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), int(parts[0]), parts[2].rstrip()))
+    rows.sort(reverse=True)
+    (out / "load-imports.txt").write_text("cumulative us | self us | module\n" + "\n".join(
+        f"{c:12d} | {own:9d} | {name}" for c, own, name in rows[:80]) + "\n")
+    print(f"profiled warm load: {out / 'load-profile.txt'}, {out / 'load-imports.txt'}")
 
 
 def main() -> None:
@@ -261,6 +301,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cold-timeout", type=float, default=240, help="seconds a quickstart that converts may take")
     ap.add_argument("--keep", action="store_true", help="keep the written model directory")
+    ap.add_argument("--profile", type=Path, help="after the loads, one more warm load profiled (cProfile, "
+                    "-X importtime) into this folder")
     args = ap.parse_args()
     args.parts = set(args.parts.split(","))
     args.work.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ rows read from a .safetensors file (the quickstart's shipped rows), and `exl war
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,44 @@ def exl2_qwen2(tmp_path_factory):
     expected = quantize_dir(tmp / "hf", tmp / "q", "exl2", quant_config={"quant_method": "exl2", "bits": 4.0},
                             keep_dense=("layers.1.mlp.up_proj",), head=True)
     return tmp / "q", hf_with_weights(tmp / "hf", expected)
+
+
+def test_a_tokenizer_loads_as_autotokenizer_and_then_without_it(tmp_path, monkeypatch):
+    """qwen2_tiny's tokenizer_config names the generic class, but AutoTokenizer picks Qwen2Tokenizer from the model
+    type (which splits digits differently): the remembered class is AutoTokenizer's, and a changed file or another
+    transformers version asks AutoTokenizer again."""
+    from transformers import AutoTokenizer
+
+    from exl_backends.model import loading
+    from conftest import FIXTURES
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "qwen2"
+    shutil.copytree(FIXTURES / "hf" / "qwen2_tiny", model, ignore=shutil.ignore_patterns("*.safetensors"))
+    text = "Tabs\tand 123456 digits, ünïcödé 漢字 don't"
+    expected = AutoTokenizer.from_pretrained(str(model))
+    asked = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: asked.append(a) or real(*a, **k))
+    first, again = load_tokenizer(model), load_tokenizer(model)
+    assert len(asked) == 1                              # the second load took the remembered class
+    for tok in (first, again):
+        assert type(tok) is type(expected) and tok(text).input_ids == expected(text).input_ids
+    assert json.loads((tmp_path / "cache" / "exl-backends" / "tokenizer-classes.json").read_text()).popitem()[1] \
+        == type(expected).__name__
+    (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text() + "\n")
+    load_tokenizer(model)
+    assert len(asked) == 2                              # a changed file: AutoTokenizer again
+    monkeypatch.setattr(loading, "_tokenizer_key", lambda path: "another transformers|" + str(path))
+    load_tokenizer(model)
+    assert len(asked) == 3
+
+
+def test_a_tokenizer_loads_where_its_class_cannot_be_remembered(tmp_path, monkeypatch):
+    from conftest import TOKENIZER_DIR
+    cache = tmp_path / "cache"
+    cache.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    assert load_tokenizer(TOKENIZER_DIR)("hello world").input_ids
 
 
 def test_stacked_cpu_linears_keep_the_logits_of_transformers(exl2_qwen2):

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import ConfigError
 from ..model.batch import upload
@@ -283,9 +282,13 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     prefill of uncached prompts, 32 layers x each sequence of a step; why, not known)."""
     if _takes_flash(q, k, v):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
-    mask = None if q.shape[2] == k.shape[2] else causal_lower_right(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                          enable_gqa=True)
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    # imported here, not at the top: with CUDA torch it imports torch._dynamo (~2-10 s on the H100 machine,
+    # benchmarks/bench_first_run.py --profile), which a load or a flash-attention prompt never needs
+    from torch.nn.attention.bias import causal_lower_right
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _takes_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:

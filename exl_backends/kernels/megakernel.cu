@@ -3,7 +3,11 @@
 // megakernel.py; the run is everything between two attention calls (o projection, post-attention norm, gate/up,
 // silu * up, down, the next block's norm and q/k/v), which launch-per-op took 8 launches for.
 //
-// SEGMENT (the kernel's one argument, by value): ops[0 .. n_ops), each the blocks of one launch it replaces:
+// SEGMENT<N> (the kernel's one argument, by value: CUDA 12.1+ takes up to 32 KB of kernel parameters): the
+//   matmuls' Params (params[0 .. n_params), N / 2 slots, each in the constant bank as launch-per-op's own argument
+//   is), then ops[0 .. n_ops), N slots, each the blocks of one launch it replaces. One kernel per N (2, 4, 8, 12:
+//   decode_segment_exl2_<N>), the launcher taking the smallest that holds its ops: ~2.3 KB for a stage + matmul
+//   pair, ~13.6 KB at N = 12 (benchmarks/bench_chain.py times what parameter bytes cost a launch).
 //   STAGE    stage_xs's grid (grid_x, parts, 1) flattened to `blocks` virtual blocks v = part * grid_x + bx;
 //   MATMUL   the one-row matmul's `blocks` blocks, each of strips_per_block strips (launch-per-op's own plan: a CTA
 //            here is 8 warps, those past strips_per_block idle), reading what the STAGE before it staged at xs. EXL2 only for now: a GPTQ instance
@@ -20,8 +24,8 @@
 //   CTA wrote is read), passed on to its warps by an mbarrier they wait on suspended; the signal is a block barrier
 //   and one release add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
 //
-// WEIGHTS BEFORE THE WAIT. What reads only weights (each op's Params, copied to shared memory; in the blocks, their
-//   chunk metadata and first L2 prefetches) comes before the wait, as launch-per-op does before its dependent-launch
+// WEIGHTS BEFORE THE WAIT. What reads only weights (in the blocks, their chunk metadata and first L2 prefetches)
+//   comes before the wait, as launch-per-op does before its dependent-launch
 //   wait. (Bulk L2 prefetches of the next matmul's whole weight spans before each wait were measured slower:
 //   docs/megakernel.md.)
 //
@@ -41,19 +45,13 @@
 #ifndef MK_SUSPEND_NS
 #define MK_SUSPEND_NS 1000000
 #endif
-// 0: each op's Params read in place from device memory instead of a copy in shared memory (for comparing)
-#ifndef MK_PARAMS_SMEM
-#define MK_PARAMS_SMEM 1
-#endif
 
 namespace mk {
 
-constexpr int MAX_OPS = 12;
 enum Kind { STAGE = 0, MATMUL = 1 };
 
 // Field order: pointers, then 4-byte values (megakernel.OP_DTYPE mirrors it; a host test compares the offsets).
 struct Op {
-    const qmm::Params* params;   // device memory: the weights' M1 plan (STAGE: the plan of the matmul it feeds)
     const half* x;               // STAGE: stage_xs's x, up, residual, norm_w, new_residual (null where unused)
     const half* up;
     const half* residual;
@@ -70,10 +68,14 @@ struct Op {
     int grid_x;                  // STAGE: blocks per part
     int first;                   // the CTA that runs virtual block 0
     int strips_per_block;        // MATMUL: the plan's (<= 8)
+    int params;                  // index into Segment::params: the weights' M1 plan (STAGE: the matmul's it feeds)
+    int pad;
 };
 
+template <int N>
 struct Segment {
-    Op op[MAX_OPS];
+    qmm::Params params[N / 2];           // a matmul and the stage in front of it share one
+    Op op[N];
     int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
 };
@@ -133,8 +135,10 @@ struct CounterWait {
 
 __device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
-// p: the op's Params in shared memory (copy_params): read in place from global memory, every field's first read
-// was an L2 round trip after the wait, where launch-per-op reads them from the constant bank.
+// p: the op's Params, in the constant bank (the Segment's): launch-per-op's matmul reads its Params there, as free
+// operands and through the uniform datapath; a copy in shared memory made every field a load and its address
+// arithmetic per-thread (SASS, 2026-12-06: twice the LEA / ISETP, +50 % MOV, no ULDC), ~4 K more warp instructions a
+// block (ncu), and each op ~0.6 us slower than its own launch.
 template <class Fmt>
 __device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, int v, const CounterWait& wait)
 {
@@ -145,20 +149,11 @@ __device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, in
         qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, op.strips_per_block, wait);
 }
 
-// src into shared memory, every thread taking part (the caller's barrier publishes it).
-__device__ __forceinline__ void copy_params(qmm::Params& dst, const qmm::Params* src)
+template <class Fmt, int N>
+__device__ void decode_segment(const Segment<N>& s)
 {
-    static_assert(sizeof(qmm::Params) % 4 == 0, "copied in words");
-    for (int i = threadIdx.x; i < (int)(sizeof(qmm::Params) / 4); i += blockDim.x)
-        reinterpret_cast<int*>(&dst)[i] = __ldg(reinterpret_cast<const int*>(src) + i);
-}
-
-template <class Fmt>
-__device__ void decode_segment(const Segment& s)
-{
-    __shared__ qmm::Params params_s;
     __shared__ int poller_s;                        // CounterWait's
-    __shared__ unsigned long long barriers_s[MAX_OPS];
+    __shared__ unsigned long long barriers_s[N];
     const int c = blockIdx.x, G = gridDim.x;
     if (threadIdx.x < s.n_ops)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
@@ -166,16 +161,15 @@ __device__ void decode_segment(const Segment& s)
         const Op& op = s.op[k];
         const int v0 = first_block(op, c, G);
         if (v0 >= op.blocks) continue;
-        // before the wait: the Params, and in the blocks everything that reads only weights (their metadata, the
-        // first L2 prefetches), as launch-per-op does before its dependent-launch wait
-        if (MK_PARAMS_SMEM) copy_params(params_s, op.params);
+        // in the blocks, before the wait: everything that reads only weights (their metadata, the first L2
+        // prefetches), as launch-per-op does before its dependent-launch wait
         if (threadIdx.x == 0) poller_s = 0;
         __syncthreads();                               // (also publishes the mbarriers' init, before op 0)
         const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s,
                                smem_address(barriers_s + k)};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
-            run_block<Fmt>(op, MK_PARAMS_SMEM ? params_s : *op.params, v, wait);
+            run_block<Fmt>(op, s.params[op.params], v, wait);
             __syncthreads();                           // shared memory is the next block's
         }
         if (threadIdx.x == 0) release_add(s.done + k, ran);
@@ -187,18 +181,21 @@ __device__ void decode_segment(const Segment& s)
 
 }  // namespace mk
 
-#define MK_SEGMENT(NAME, FMT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 2) NAME(const __grid_constant__ mk::Segment s)         \
+#define MK_SEGMENT(NAME, FMT, N)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, 2) NAME(const __grid_constant__ mk::Segment<N> s)      \
     {                                                                                                                  \
-        MK_BODY(FMT)                                                                                                   \
+        MK_BODY(FMT, N)                                                                                                \
     }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define MK_BODY(FMT) __trap();                         /* sm_90+ only (mbarriers' try_wait): never launched below */
+#define MK_BODY(FMT, N) __trap();                         /* sm_90+ only (mbarriers' try_wait): never launched below */
 #else
-#define MK_BODY(FMT)                                                                                                   \
+#define MK_BODY(FMT, N)                                                                                                \
     exl::pdl_trigger();                                                                                               \
-    mk::decode_segment<FMT>(s);
+    mk::decode_segment<FMT, N>(s);
 #endif
 
-MK_SEGMENT(decode_segment_exl2, qmm::Exl2)
+MK_SEGMENT(decode_segment_exl2_2, qmm::Exl2, 2)
+MK_SEGMENT(decode_segment_exl2_4, qmm::Exl2, 4)
+MK_SEGMENT(decode_segment_exl2_8, qmm::Exl2, 8)
+MK_SEGMENT(decode_segment_exl2_12, qmm::Exl2, 12)

@@ -5,7 +5,7 @@ How it is used: while a decode step of one sequence is captured (runner.DecodeGr
 stage_xs and matmul kernels but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
 before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
 becomes one launch of
-decode_segment_exl2, which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
+decode_segment_exl2_<N> (the smallest N of SIZES that holds them), which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
 one before through a counter in device memory. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
 block's norm + q/k/v) in one.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from dataclasses import dataclass
 
@@ -29,17 +30,35 @@ from torch import Tensor
 
 from .loader import compute_capability, launch, resident_blocks
 
-FAMILY, KERNEL = "megakernel", "decode_segment_exl2"
-MAX_OPS = 12                    # megakernel.cu MAX_OPS
+FAMILY = "megakernel"
+SIZES = (2, 4, 8, 12)           # the ops a segment kernel holds (megakernel.cu decode_segment_exl2_<N>)
+MAX_OPS = SIZES[-1]
 THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
 STAGE, MATMUL = 0, 1            # megakernel.cu Kind
 MIN_CC = (9, 0)                 # dependent launch (the wait before an op's first read), Hopper's L2
 
 OP_DTYPE = np.dtype([(name, np.uint64) for name in
-                     ("params", "x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
+                     ("x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
                     [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
-                     ("first", np.int32), ("strips_per_block", np.int32)])
-SEGMENT_DTYPE = np.dtype([("op", OP_DTYPE, (MAX_OPS,)), ("done", np.uint64), ("n_ops", np.int32), ("pad", np.int32)])
+                     ("first", np.int32), ("strips_per_block", np.int32), ("params", np.int32), ("pad", np.int32)])
+
+
+@functools.cache
+def segment_dtype(params_dtype: np.dtype, n: int) -> np.dtype:
+    """megakernel.cu's Segment<n> for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE): n ops, n / 2 Params
+    (a matmul and its stage share theirs)."""
+    return np.dtype([("params", params_dtype, (n // 2,)), ("op", OP_DTYPE, (n,)), ("done", np.uint64),
+                     ("n_ops", np.int32), ("pad", np.int32)], align=True)
+
+
+def size_for(n_ops: int) -> int:
+    """The smallest segment kernel that holds n_ops: every launch carries its whole argument, so a pair of ops
+    should not pay for twelve."""
+    return next(n for n in SIZES if n >= n_ops)
+
+
+def kernel_name(n_ops: int) -> str:
+    return f"decode_segment_exl2_{size_for(n_ops)}"
 
 
 @dataclass
@@ -48,7 +67,7 @@ class Op:
     kind: int
     blocks: int
     smem: int                   # dynamic shared memory its blocks need
-    params: Tensor              # the matmul's Params in device memory (uint8)
+    params: np.ndarray          # the matmul's Params (0-d quant_matmul.PARAMS_DTYPE), passed in the segment
     tensors: dict               # pointer fields of OP_DTYPE -> tensor (or None)
     eps: float = 0.0
     grid_x: int = 1
@@ -58,12 +77,12 @@ class Op:
 
 class OneRowMatmul:
     """A QuantMatmul's one-row launch pair (stage_xs, then the matmul of `plan`, its quant_matmul.Plan for one row)
-    as chain ops: the plan's Params in device memory (the kernel reads them there), its split partials. The same plan
-    (splits, strips per block) as the launch: the same sums in the same order."""
+    as chain ops: the plan's Params (the segment carries them in the constant bank), its split partials. The same
+    plan (splits, strips per block) as the launch: the same sums in the same order."""
 
     def __init__(self, plan, k: int, stage_blocks: int, device: torch.device):
         self.plan, self.k, self.stage_blocks = plan, k, stage_blocks
-        self.params = torch.from_numpy(plan.params.reshape(1).view(np.uint8).copy()).to(device)
+        self.params = plan.params
         self.ws = torch.empty(plan.ws_floats, dtype=torch.float32, device=device) if plan.ws_floats else None
 
     def append(self, chain: Chain, x: Tensor, before: tuple, xs: Tensor, ys: list[Tensor]) -> None:
@@ -140,16 +159,17 @@ class Chain:
             self._launch(ops[start:start + MAX_OPS])
 
     def _launch(self, ops: list[Op]) -> None:
-        device = ops[0].params.device
+        device = self.done.device
         smem = max(op.smem for op in ops)
-        grid = resident_blocks(FAMILY, KERNEL, THREADS, smem) * torch.cuda.get_device_properties(
+        kernel = kernel_name(len(ops))
+        grid = resident_blocks(FAMILY, kernel, THREADS, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
         at = self.used
         if at + len(ops) + 1 > self.done.numel():
             raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
         done = self.done[at:at + len(ops) + 1]
         self.used += len(ops) + 1
-        launch(FAMILY, KERNEL, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
+        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
         self.segments.append((ops, grid))
 
 
@@ -163,15 +183,22 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
 
 
 def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
-    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`."""
-    s = np.zeros((), SEGMENT_DTYPE)
+    """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
+    Params once (a stage and its matmul share theirs)."""
+    n = size_for(len(ops))
+    s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
+    slots: dict[int, int] = {}
     for i, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
+        slot = slots.setdefault(id(op.params), len(slots))
+        if slot >= n // 2:
+            raise ValueError(f"a segment of {len(ops)} ops carries at most {n // 2} matmuls' Params")
+        s["params"][slot] = op.params
         rec = s["op"][i]
-        rec["params"] = op.params.data_ptr()
         for field, t in op.tensors.items():
             rec[field] = 0 if t is None else t.data_ptr()
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"], rec["strips_per_block"] = \
             op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
+        rec["params"] = slot
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
     return s
 

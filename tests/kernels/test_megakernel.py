@@ -16,6 +16,7 @@ import torch
 from kernel_testing import on_gpu
 
 from exl_backends.kernels import megakernel as mk
+from exl_backends.kernels import quant_matmul as qm
 from exl_backends.kernels.loader import KERNEL_DIR
 from exl_backends.model.batch import Batch, SeqChunk
 from exl_backends.model.cache import KVCache
@@ -58,24 +59,26 @@ HARNESS = r"""
 #include <cstdio>
 int main() {
     OFFSETS
-    printf("%zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment, done), offsetof(mk::Segment, n_ops),
-           sizeof(mk::Segment));
+    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op), offsetof(mk::Segment<SEGMENT_N>, done),
+           offsetof(mk::Segment<SEGMENT_N>, n_ops), sizeof(mk::Segment<SEGMENT_N>));
 }
 """
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-def test_the_packed_segment_is_the_kernels_struct(tmp_path):
+@pytest.mark.parametrize("n", mk.SIZES)
+def test_the_packed_segment_is_the_kernels_struct(tmp_path, n):
     lines = "\n    ".join(f'printf("%zu\\n", offsetof(mk::Op, {name}));' for name in mk.OP_DTYPE.names)
     (tmp_path / "harness.cu").write_text(HARNESS.replace("OFFSETS", lines))
     exe = tmp_path / "harness"
-    subprocess.run(["nvcc", "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90", "-o", str(exe),
+    subprocess.run(["nvcc", "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90", f"-DSEGMENT_N={n}", "-o", str(exe),
                     str(tmp_path / "harness.cu")], check=True, capture_output=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
+    seg = mk.segment_dtype(qm.PARAMS_DTYPE, n)
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
-        mk.OP_DTYPE.itemsize, mk.SEGMENT_DTYPE.fields["done"][1], mk.SEGMENT_DTYPE.fields["n_ops"][1],
-        mk.SEGMENT_DTYPE.itemsize]
+        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["done"][1], seg.fields["n_ops"][1], seg.itemsize]
+    assert seg.itemsize <= 32764            # the kernel parameter space (CUDA 12.1+)
 
 
 def test_a_one_row_matmul_appends_its_stage_and_matmul():
@@ -93,8 +96,16 @@ def test_a_one_row_matmul_appends_its_stage_and_matmul():
     assert (matmul.kind, matmul.blocks, matmul.smem, matmul.name) == (mk.MATMUL, 96, 64, "4096 x 4096+1024")
     assert matmul.tensors["y1"] is ys[1] and "y2" not in matmul.tensors and matmul.tensors["ws"] is None
     record = mk.segment(chain.ops, 264, torch.zeros(3, dtype=torch.int32))["op"]
-    assert record[1]["first"] == 32 and record[1]["y2"] == 0 and record[0]["params"] == record[1]["params"]
+    assert len(record) == 2                             # the pair travels in the 2-op kernel's argument, not 12's
+    assert record[1]["first"] == 32 and record[1]["y2"] == 0 and record[0]["params"] == record[1]["params"] == 0
     assert record[1]["strips_per_block"] == 7           # the plan's (threads / 32), not the CTA's 8 warps
+
+
+def test_a_segment_takes_the_smallest_kernel_that_holds_its_ops():
+    assert [mk.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [2, 2, 4, 4, 8, 8, 12, 12]
+    assert mk.kernel_name(8) == "decode_segment_exl2_8"
+    with pytest.raises(StopIteration):
+        mk.size_for(mk.MAX_OPS + 1)                     # (Chain.flush cuts longer chains at MAX_OPS)
 
 
 def test_chaining_without_counters_changes_nothing():
