@@ -6,10 +6,11 @@ Llama-3-8B shape at 4.0 bpw body + 6-bit head: ~3.9 GB/token -> ~1080 tok/s at 4
 Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 layers x ~12 launches).
 
     python benchmarks/bench_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--contexts 256,4096,32768]
-        [--megakernel both|on|off]
+        [--megakernel both|on|off] [--mk-defines ,MK_SLOT_BYTES=8192]
 
 --megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
-and the megakernel segments (kernels/megakernel.py), the model built once.
+and the megakernel segments (kernels/megakernel.py), the model built once; --mk-defines times the megakernel once
+per variant of megakernel.cu (comma-separated -D sets, '+' between several; '' the default).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, synthetic_model  # noqa: E402
+from tune_matmul import use_define  # noqa: E402
 
 from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed, run_info  # noqa: E402
 
@@ -60,8 +62,11 @@ def main() -> None:
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--megakernel", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--mk-defines", default="", help="megakernel.cu variants, e.g. ',MK_SLOT_BYTES=8192'")
     args = ap.parse_args()
+    variants = args.mk_defines.split(",")
     paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.megakernel]
+    runs = [(flag, define) for flag in paths for define in (variants if flag == "1" else [""])]
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
@@ -69,14 +74,18 @@ def main() -> None:
         model = synthetic_model(shape)
         for mode in args.modes.split(","):
             for ctx in map(int, args.contexts.split(",")):
-                for flag in paths:
+                for flag, define in runs:
                     os.environ["EXL_MEGAKERNEL"] = flag        # read when the runner captures its decode step
+                    if args.mk_defines:
+                        use_define(define, {"megakernel"})
                     r = decode_speed(model, ctx, mode)
                     bound = bw / r["bytes"]
                     if not r["finite"]:
                         print(f"warning: {shape} decode {mode} ctx {ctx} gives NaN/inf logits")
                     rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", bpw=4.0, context=ctx,
-                                     cache_mode=mode, batch=1, path="megakernel" if flag == "1" else "launch-per-op",
+                                     cache_mode=mode, batch=1,
+                                     path=" ".join(filter(None, ["megakernel" if flag == "1" else "launch-per-op",
+                                                                 define])),
                                      tok_s=r["tok_s"], replay_tok_s=r["replay_tok_s"], bound_tok_s=bound,
                                      pct=100 * r["tok_s"] / bound))
         rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model, 2048)))
@@ -88,9 +97,9 @@ def main() -> None:
     if out:
         Path(out, "bench_decode.json").write_text(json.dumps(run_info(torch.device("cuda"), bw, rows), indent=1))
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
-    print(f"{'shape':14} {'what':28} {'path':14} {'tok/s':>9} {'replay':>9} {'bound':>8} {'%':>5}")
+    print(f"{'shape':14} {'what':28} {'path':32} {'tok/s':>9} {'replay':>9} {'bound':>8} {'%':>5}")
     for r in rows:
-        print(f"{r['shape']:14} {r['what']:28} {r.get('path', ''):14} {r['tok_s']:9.1f} "
+        print(f"{r['shape']:14} {r['what']:28} {r.get('path', ''):32} {r['tok_s']:9.1f} "
               f"{r.get('replay_tok_s', float('nan')):9.1f} {r.get('bound_tok_s', float('nan')):8.1f} "
               f"{r.get('pct', float('nan')):5.1f}")
 

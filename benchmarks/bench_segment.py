@@ -2,11 +2,12 @@
 
 Per matmul of a Llama block at 4.0 bpw EXL2 (q/k/v after the attention norm, o, gate/up after the MLP norm, down
 after silu * up): the stage_xs + matmul launch pair (launch-per-op) against the same two ops as one segment launch;
-then the whole block's 8 launches against one segment of its 8 ops. Weights rotate over copies of the block, so
-they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also where the GPU puts a persistent grid's
+then the whole block's 8 launches against one segment of its 8 ops, after checking that the segment's outputs
+are launch-per-op's bit for bit (so a --defines variant cannot pass by being wrong). Weights rotate over copies
+of the block, so they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also where the GPU puts a persistent grid's
 CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA index.
 
-    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,MK_POLL_NS=0]
+    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,MK_SLOT_BYTES=8192]
     ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \
         --shapes llama-3.2-1b        # each matmul's launches and its segment, twice (scripts/gpu-check segment)
 """
@@ -58,9 +59,16 @@ def chained(calls: list, done: torch.Tensor):
     """calls as one segment launch, counters from `done` (a call of its own per launch: mk.MAX_OPS + 1 of them)."""
     def run():
         with mk.chaining(done):
-            for f in calls:
-                f()
+            outs = [f() for f in calls]
+        return outs
     return run
+
+
+def same(a, b) -> bool:
+    """Outputs equal bit for bit (tensors, or lists / tuples of them)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def sm_map(grid_per_sm: int = 2) -> list[int]:
@@ -124,6 +132,8 @@ def table(shape: str, blocks: list, per_block: list, nbytes: dict, eager: bool) 
         plain = [c[name] for c in per_block] if name != "block" else [f for c in per_block for f in c.values()]
         ops = [[c[name]] if name != "block" else list(c.values()) for c in per_block]
         seg = [chained(calls, done[(j * 5 + i) * stride:]) for j, calls in enumerate(ops)]
+        if not eager and not same(seg[0](), [f() for f in ops[0]]):   # a variant (--defines) must keep them
+            raise SystemExit(f"{shape} {name}: the segment's outputs differ from launch-per-op's")
         if eager:                                   # for ncu: two launches of each on the first copy, no graph
             for f in plain[:len(plain) // len(blocks)] * 2 + seg[:1] * 2:
                 f()

@@ -386,8 +386,11 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
 
 // What a block waits for before it reads another kernel's (or op's) output: launch-per-op, the kernel before
 // (dependent launch); a megakernel passes a wait for the op before. Called by each warp that goes on (some return
-// first), so it may synchronise a warp, never the block.
+// first), so it may synchronise a warp, never the block. STAGES: the wait can also copy a warp's weight span into
+// shared memory before it (stage(st, lane): whether it did, st then pointing at the copy; landed(lane) after the
+// wait: the copy is in).
 struct PdlWait {
+    static constexpr bool STAGES = false;
     __device__ __forceinline__ void operator()() const { pdl_wait(); }
 };
 
@@ -407,9 +410,11 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     const int split = local / pt.col_blocks, strip = local % pt.col_blocks * strips_per_block + warp;
     const bool mine = warp < strips_per_block && strip < pt.strips;
     Stream st;
+    bool staged = false;
     if (mine) {
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
+        if constexpr (Wait::STAGES) staged = wait.stage(st, lane);
     }
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
@@ -420,7 +425,16 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
     sink.tile_step = 8 * (size_t)p.K;
     sink.cg = cg + (M1 ? 0 : 2 * q);
-    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
+    if constexpr (Wait::STAGES) {
+        if (staged) {
+            wait.landed(lane);
+            walk<Fmt, true>(pt, strip, split, meta_s, st, lane, sink);
+        } else {
+            walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
+        }
+    } else {
+        walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
+    }
     sink.flush();
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
 }
