@@ -3,6 +3,7 @@ rows read from a .safetensors file (the quickstart's shipped rows), and `exl war
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -66,6 +67,29 @@ def test_a_tokenizer_loads_as_autotokenizer_and_then_without_it(tmp_path, monkey
     monkeypatch.setattr(loading, "_tokenizer_key", lambda path: "another transformers|" + str(path))
     load_tokenizer(model)
     assert len(asked) == 3
+
+
+HEAVY_MODULES = ("transformers.models.auto.modeling_auto", "torch.distributed.tensor", "torch.nn.attention.bias",
+                 "torch._dynamo", "transformers.generation")
+
+
+def test_a_load_and_a_generator_import_none_of_transformers_model_chain(tmp_path):
+    """What a warm first load must not import (BENCHMARKS.md, first run on a GPU machine: seconds each there):
+    from_pretrained, then a Generator's decode, in a fresh process whose cache remembers the tokenizer's class;
+    transformers' config objects still come when read."""
+    from conftest import FIXTURES
+    probe = ("import sys, torch\n"
+             "from exl_backends import ExlForCausalLM, Generator\n"
+             f"m = ExlForCausalLM.from_pretrained({str(FIXTURES / 'exl2' / 'llama_tiny_exl2_4.0bpw_h6')!r}, device='cpu')\n"
+             "Generator(m).submit([1, 2, 3, 4], max_new_tokens=2).result()\n"
+             f"print([name for name in {HEAVY_MODULES!r} if name in sys.modules])\n"
+             "print(type(m.config).__name__, type(m.generation_config).__name__)\n")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    for _ in range(2):                  # the first run remembers the tokenizer's class
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    imported, config = out.stdout.strip().splitlines()[-2:]
+    assert imported == "[]"
+    assert config == "LlamaConfig GenerationConfig"
 
 
 def test_a_tokenizer_loads_where_its_class_cannot_be_remembered(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ processors, most GenerationConfig fields) raises instead of being ignored."""
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,20 @@ class ExlForCausalLM:
     def __init__(self, model: Model, tokenizer, path: Path, max_seq_len: int, cache_mode: str):
         self.model, self.tokenizer, self.name_or_path = model, tokenizer, str(path)
         self.exl_config: ModelConfig = model.config
-        self.config = hf_config(path, model.config.raw)             # transformers' PretrainedConfig
-        self.generation_config = load_generation_config(path, self.config)
         self.max_seq_len, self.cache_mode = max_seq_len, cache_mode
         self.placement = None           # a layer split's placement.Placement (which device holds which layers)
+
+    # transformers' config objects, made when first read: a model-config class's module imports transformers'
+    # auto-model chain (its docstring decorator reaches modeling_auto, and with it torch.distributed.tensor), seconds
+    # that a load which decodes through the Generator (the quickstart, the server) never needs. Assignable.
+    @functools.cached_property
+    def config(self):
+        """transformers' PretrainedConfig of the directory."""
+        return hf_config(Path(self.name_or_path), self.exl_config.raw)
+
+    @functools.cached_property
+    def generation_config(self):
+        return load_generation_config(Path(self.name_or_path), self.config)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | list | None = None,
