@@ -6,11 +6,12 @@ Llama-3-8B shape at 4.0 bpw body + 6-bit head: ~3.9 GB/token -> ~1080 tok/s at 4
 Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 layers x ~12 launches).
 
     python benchmarks/bench_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--contexts 256,4096,32768]
-        [--megakernel both|on|off] [--mk-defines ,MK_SLOT_BYTES=8192]
+        [--megakernel both|on|off] [--defines ,QMM_SLOT_BYTES=8192]
 
 --megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
-and the megakernel segments (kernels/megakernel.py), the model built once; --mk-defines times the megakernel once
-per variant of megakernel.cu (comma-separated -D sets, '+' between several; '' the default).
+and the megakernel segments (kernels/megakernel.py), the model built once; --defines times both once per variant of
+the one-row kernels (matmul_rows.cu and megakernel.cu; comma-separated -D sets, '+' between several; '' the
+default).
 """
 from __future__ import annotations
 
@@ -62,11 +63,10 @@ def main() -> None:
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--megakernel", choices=("both", "on", "off"), default="both")
-    ap.add_argument("--mk-defines", default="", help="megakernel.cu variants, e.g. ',MK_SLOT_BYTES=8192'")
+    ap.add_argument("--defines", default="", help="kernel variants, e.g. ',QMM_SLOT_BYTES=8192'")
     args = ap.parse_args()
-    variants = args.mk_defines.split(",")
     paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.megakernel]
-    runs = [(flag, define) for flag in paths for define in (variants if flag == "1" else [""])]
+    runs = [(flag, define) for define in args.defines.split(",") for flag in paths]
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
@@ -76,8 +76,8 @@ def main() -> None:
             for ctx in map(int, args.contexts.split(",")):
                 for flag, define in runs:
                     os.environ["EXL_MEGAKERNEL"] = flag        # read when the runner captures its decode step
-                    if args.mk_defines:
-                        use_define(define, {"megakernel"})
+                    if args.defines:
+                        use_define(define, {"matmul_rows", "megakernel"})
                     r = decode_speed(model, ctx, mode)
                     bound = bw / r["bytes"]
                     if not r["finite"]:

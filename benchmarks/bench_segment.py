@@ -3,11 +3,11 @@
 Per matmul of a Llama block at 4.0 bpw EXL2 (q/k/v after the attention norm, o, gate/up after the MLP norm, down
 after silu * up): the stage_xs + matmul launch pair (launch-per-op) against the same two ops as one segment launch;
 then the whole block's 8 launches against one segment of its 8 ops, after checking that the segment's outputs
-are launch-per-op's bit for bit (so a --defines variant cannot pass by being wrong). Weights rotate over copies
+and launch-per-op's are the default build's bit for bit (so a --defines variant cannot pass by being wrong). Weights rotate over copies
 of the block, so they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also where the GPU puts a persistent grid's
 CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA index.
 
-    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,MK_SLOT_BYTES=8192]
+    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,QMM_SLOT_BYTES=8192]
     ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \
         --shapes llama-3.2-1b        # each matmul's launches and its segment, twice (scripts/gpu-check segment)
 """
@@ -31,6 +31,7 @@ from exl_backends.kernels import megakernel as mk  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 EPS = 1e-5
+FAMILIES = {"megakernel", "matmul_rows"}     # what --defines recompiles: both sides of each comparison
 
 
 def block_weights(shape: str, gen: torch.Generator) -> dict:
@@ -117,14 +118,17 @@ def bench_shape(shape: str, eager: bool, defines: list[str]) -> None:
               "gate": torch.randn(1, inter, device="cuda", generator=g).half(),
               "up": torch.randn(1, inter, device="cuda", generator=g).half()}
     per_block = [calls_of(b, inputs) for b in blocks]
+    use_define("", FAMILIES)
+    want = {name: f() for name, f in per_block[0].items()}      # launch-per-op's outputs as built
     for define in defines:
-        use_define(define, {"megakernel"})          # (megakernel.cu compiled with -D<define>; '' the default)
-        for line in table(shape, blocks, per_block, nbytes, eager):
+        use_define(define, FAMILIES)                # (both paths' kernels compiled with -D<define>; '' the default)
+        for line in table(shape, blocks, per_block, nbytes, want, eager):
             print(f"{line}  {define or 'default'}")
 
 
-def table(shape: str, blocks: list, per_block: list, nbytes: dict, eager: bool) -> list[str]:
-    """Each matmul's launches against its segment, then the whole block's; eager: only run them (for ncu)."""
+def table(shape: str, blocks: list, per_block: list, nbytes: dict, want: dict, eager: bool) -> list[str]:
+    """Each matmul's launches against its segment, then the whole block's, after checking both give `want` (the
+    default build's outputs of the first copy) bit for bit; eager: only run them (for ncu)."""
     stride = mk.MAX_OPS + 1
     done = mk.counters(len(blocks) * 5, torch.device("cuda"))
     rows = []
@@ -132,8 +136,10 @@ def table(shape: str, blocks: list, per_block: list, nbytes: dict, eager: bool) 
         plain = [c[name] for c in per_block] if name != "block" else [f for c in per_block for f in c.values()]
         ops = [[c[name]] if name != "block" else list(c.values()) for c in per_block]
         seg = [chained(calls, done[(j * 5 + i) * stride:]) for j, calls in enumerate(ops)]
-        if not eager and not same(seg[0](), [f() for f in ops[0]]):   # a variant (--defines) must keep them
-            raise SystemExit(f"{shape} {name}: the segment's outputs differ from launch-per-op's")
+        expected = [want[n] for n in ([name] if name != "block" else want)]
+        for path, got in (("launch-per-op", [f() for f in ops[0]]), ("segment", seg[0]())):
+            if not same(got, expected):             # a variant (--defines) must keep the outputs
+                raise SystemExit(f"{shape} {name}: {path}'s outputs differ from the default build's")
         if eager:                                   # for ncu: two launches of each on the first copy, no graph
             for f in plain[:len(plain) // len(blocks)] * 2 + seg[:1] * 2:
                 f()

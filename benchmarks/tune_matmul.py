@@ -28,7 +28,6 @@ from bench_matmul import (SHAPES, bench_format, copies_for, copy_bandwidth, exl2
 
 from exl_backends.formats import synthetic  # noqa: E402
 from exl_backends.kernels import loader, planning  # noqa: E402
-from exl_backends.kernels import megakernel as mk  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
 
@@ -47,8 +46,8 @@ def use_define(define: str, families=qm.FAMILIES) -> None:
     QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
     QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM_WARP_TILES=n set the GEMM plan's qm.GEMM_RESIDENT,
     qm.GEMM_STAGES (shared memory) and qm.GEMM_WARP_ROWS to match, QMM_WG_STAGES=n and QMM_WG_DEPTH=n the wgmma
-    plan's qm.WGMMA_STAGES and qm.WGMMA_DEPTH (they take effect for weights prepared after this call); MK_SLOT_BYTES=n
-    the megakernel's weight slots (megakernel.SLOT_BYTES)."""
+    plan's qm.WGMMA_STAGES and qm.WGMMA_DEPTH (they take effect for weights prepared after this call); QMM_SLOT_BYTES=n
+    the one-row matmul's weight slots (planning.SLOT_BYTES)."""
     original = loader.module.__wrapped__
     value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
     planning.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
@@ -57,7 +56,7 @@ def use_define(define: str, families=qm.FAMILIES) -> None:
     qm.GEMM_WARP_ROWS = 16 * value.get("QMM_GEMM_WARP_TILES", GEMM_WARP_ROWS // 16)
     qm.WGMMA_STAGES = value.get("QMM_WG_STAGES", WGMMA_STAGES)
     qm.WGMMA_DEPTH = value.get("QMM_WG_DEPTH", WGMMA_DEPTH)
-    mk.SLOT_BYTES = value.get("MK_SLOT_BYTES", 0)
+    planning.SLOT_BYTES = value.get("QMM_SLOT_BYTES", 0)
 
     @functools.cache
     def module(family, cc):

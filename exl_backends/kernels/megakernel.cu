@@ -45,13 +45,7 @@
 #ifndef MK_SUSPEND_NS
 #define MK_SUSPEND_NS 1000000
 #endif
-// Bytes of shared memory per warp for its weight span of the next matmul block, copied in (cp.async.bulk) before the
-// wait when the span fits; 0: none, the weights stream from global memory after the wait as launch-per-op's do.
-// An experiment (bench_segment.py --defines ,MK_SLOT_BYTES=8192; megakernel.SLOT_BYTES must match: use_define
-// sets it): a 1B op's span is 1.5-8 KB a warp.
-#ifndef MK_SLOT_BYTES
-#define MK_SLOT_BYTES 0
-#endif
+
 
 namespace mk {
 
@@ -85,7 +79,6 @@ struct Segment {
     Op op[N];
     int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
-    int slots;                   // byte offset in dynamic shared memory of the warps' weight slots (MK_SLOT_BYTES)
 };
 
 __device__ __forceinline__ int load_acquire(const int* p)
@@ -112,54 +105,27 @@ __device__ __forceinline__ int first_block(const Op& op, int c, int G) { return 
 // own, used for one phase (parity 0), so a CTA's later blocks of the same op pass at once. The poller's acquire
 // (which also invalidates the SM's L1) and the mbarrier's CTA-scope release/acquire order the op before's writes
 // before every warp's reads.
-// The weight slots' copies (MK_SLOT_BYTES): per warp, the mbarrier its copy completes (arrival count 1) and the
-// copies it has waited for (the next one's parity).
+// The weight slots' copies (qmm_rows.cuh WEIGHT SLOTS): per warp, the mbarrier its copies complete (arrival count
+// 1) and the copies it has waited for (the next one's parity): a CTA may run several matmul blocks.
 __shared__ unsigned long long copied_s[qmm::WARPS];
 __shared__ unsigned phase_s[qmm::WARPS];
-extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
 struct CounterWait {
-    static constexpr bool STAGES = MK_SLOT_BYTES > 0;
+    static constexpr bool STAGES = qmm::SLOT_BYTES > 0;
     const int* counter;
     int target;
     int* poller;                 // shared memory, zero at the op's start
     unsigned barrier;            // shared-memory address of the op's mbarrier (arrival count 1)
-    int slots;                   // byte offset of the warps' weight slots (MK_SLOT_BYTES each) in dynamic shared memory
 
-    // Before the wait: the warp's whole span into its slot, if it fits (the copy runs while the CTA waits). The
-    // slot's last readers are done (the block barrier after each block), and the proxy fence orders their reads
-    // before the copy's writes.
     __device__ __forceinline__ bool stage(qmm::Stream& st, int lane) const
     {
-        if (st.span == 0 || st.span > MK_SLOT_BYTES) return false;
-        const int warp = threadIdx.x / 32;
-        unsigned char* slot = dynamic_smem + slots + warp * MK_SLOT_BYTES;
-        if (lane == 0) {
-            const unsigned bar = (unsigned)__cvta_generic_to_shared(copied_s + warp);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(st.span) : "memory");
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         ::"r"((unsigned)__cvta_generic_to_shared(slot)), "l"(st.src), "r"(st.span), "r"(bar)
-                         : "memory");
-        }
-        st.src = slot;
-        return true;
+        return qmm::copy_span(st, lane, copied_s + threadIdx.x / 32);
     }
 
-    // After the wait: the copy is in (every lane waits on the slot's mbarrier: its phase's completion makes the
-    // copy's writes visible to the waiting thread).
     __device__ __forceinline__ void landed(int lane) const
     {
         const int warp = threadIdx.x / 32;
-        const unsigned bar = (unsigned)__cvta_generic_to_shared(copied_s + warp), parity = phase_s[warp] & 1u;
-        asm volatile(
-            "{\n"
-            ".reg .pred done;\n"
-            "LANDED:\n"
-            "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-            "@!done bra LANDED;\n"
-            "}\n" ::"r"(bar), "r"(parity)
-            : "memory");
+        qmm::wait_span(copied_s + warp, phase_s[warp] & 1u);
         __syncwarp();
         if (lane == 0) phase_s[warp] += 1;
         __syncwarp();
@@ -226,7 +192,7 @@ __device__ __forceinline__ void decode_segment(const Segment<N>& s)
         if (threadIdx.x == 0) poller_s = 0;
         __syncthreads();                               // (also publishes the mbarriers' init, before op 0)
         const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s,
-                               smem_address(barriers_s + k), s.slots};
+                               smem_address(barriers_s + k)};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
             run_block<Fmt>(op, s.params[op.params], v, wait);

@@ -29,12 +29,12 @@ import torch
 from torch import Tensor
 
 from .loader import compute_capability, launch, resident_blocks
+from .planning import launch_smem
 
 FAMILY = "megakernel"
 SIZES = (2, 4, 8, 12)           # the ops a segment kernel holds (megakernel.cu decode_segment_exl2_<N>)
 MAX_OPS = SIZES[-1]
 THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
-SLOT_BYTES = 0                  # megakernel.cu MK_SLOT_BYTES (an experiment: benchmarks' use_define sets both)
 STAGE, MATMUL = 0, 1            # megakernel.cu Kind
 MIN_CC = (9, 0)                 # dependent launch (the wait before an op's first read), Hopper's L2
 
@@ -49,7 +49,7 @@ def segment_dtype(params_dtype: np.dtype, n: int) -> np.dtype:
     """megakernel.cu's Segment<n> for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE): n ops, n / 2 Params
     (a matmul and its stage share theirs)."""
     return np.dtype([("params", params_dtype, (n // 2,)), ("op", OP_DTYPE, (n,)), ("done", np.uint64),
-                     ("n_ops", np.int32), ("slots", np.int32)], align=True)
+                     ("n_ops", np.int32), ("pad", np.int32)], align=True)
 
 
 def size_for(n_ops: int) -> int:
@@ -93,7 +93,7 @@ class OneRowMatmul:
         chain.append(Op(STAGE, self.stage_blocks * len(ys), 2 * self.k if norm_w is not None else 0, self.params,
                         dict(x=x, up=up, residual=residual, norm_w=norm_w, new_residual=new_residual, xs=xs), eps,
                         self.stage_blocks, name))
-        chain.append(Op(MATMUL, self.plan.blocks, self.plan.smem, self.params,
+        chain.append(Op(MATMUL, self.plan.blocks, launch_smem(self.plan.kernel, self.plan.smem), self.params,
                         dict(xs=xs, ws=self.ws, **dict(zip(("y0", "y1", "y2"), ys))),
                         strips_per_block=self.plan.threads // 32, name=name))
 
@@ -161,8 +161,7 @@ class Chain:
 
     def _launch(self, ops: list[Op]) -> None:
         device = self.done.device
-        slots = -(-max(op.smem for op in ops) // 128) * 128        # the weight slots after the ops' own
-        smem = slots + THREADS // 32 * SLOT_BYTES if SLOT_BYTES else slots
+        smem = max(op.smem for op in ops)
         kernel = kernel_name(len(ops))
         grid = resident_blocks(FAMILY, kernel, THREADS, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
@@ -171,8 +170,7 @@ class Chain:
             raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
         done = self.done[at:at + len(ops) + 1]
         self.used += len(ops) + 1
-        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done, slots),),
-               shared_mem=smem)
+        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
         self.segments.append((ops, grid))
 
 
@@ -185,9 +183,9 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
     return firsts
 
 
-def segment(ops: list[Op], grid: int, done: Tensor, slots: int = 0) -> np.ndarray:
+def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
     """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
-    Params once (a stage and its matmul share theirs); slots: where the weight slots start in shared memory."""
+    Params once (a stage and its matmul share theirs)."""
     n = size_for(len(ops))
     s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
     param_slots: dict[int, int] = {}
@@ -202,7 +200,7 @@ def segment(ops: list[Op], grid: int, done: Tensor, slots: int = 0) -> np.ndarra
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"], rec["strips_per_block"] = \
             op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
         rec["params"] = slot
-    s["done"], s["n_ops"], s["slots"] = done.data_ptr(), len(ops), slots
+    s["done"], s["n_ops"] = done.data_ptr(), len(ops)
     return s
 
 

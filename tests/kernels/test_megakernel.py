@@ -59,9 +59,8 @@ HARNESS = r"""
 #include <cstdio>
 int main() {
     OFFSETS
-    printf("%zu %zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op),
-           offsetof(mk::Segment<SEGMENT_N>, done), offsetof(mk::Segment<SEGMENT_N>, n_ops),
-           offsetof(mk::Segment<SEGMENT_N>, slots), sizeof(mk::Segment<SEGMENT_N>));
+    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op),
+           offsetof(mk::Segment<SEGMENT_N>, done), offsetof(mk::Segment<SEGMENT_N>, n_ops), sizeof(mk::Segment<SEGMENT_N>));
 }
 """
 
@@ -78,8 +77,7 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path, n):
     assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
     seg = mk.segment_dtype(qm.PARAMS_DTYPE, n)
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
-        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["done"][1], seg.fields["n_ops"][1],
-        seg.fields["slots"][1], seg.itemsize]
+        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["done"][1], seg.fields["n_ops"][1], seg.itemsize]
     assert seg.itemsize <= 32764            # the kernel parameter space (CUDA 12.1+)
 
 
