@@ -94,16 +94,37 @@ BLOB_LINK(8192)
 BLOB_LINK(13824)
 
 // The same barrier without a shared counter: each block publishes the links it has finished in a flag of its own
-// (a release store, no atomic: no two blocks write one line), and warp 0 reads every block's flag (acquire), each lane
-// a 32nd of them, until all have reached this link. Flags only grow (a block's first value is where the launch
-// before left them all), so they need no reset between launches.
+// (a release store, no atomic: no two blocks write one line), and warp 0 reads every block's flag, each lane a 32nd
+// of them, until all have reached this link. Relaxed loads, all of a lane's issued together, then one acquire fence:
+// an acquire load orders every later load after it, so a lane's flags read by acquire loads were one L2 round trip
+// each, in a row (a segment's flags measured slower than its counter that way: docs/megakernel.md). Flags only grow
+// (a block's first value is where the launch before left them all), so they need no reset between launches.
+__device__ __forceinline__ unsigned load_relaxed(const unsigned* p)
+{
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void flag_barrier(unsigned* flags, unsigned target)
 {
+    constexpr int PER_LANE = 16;                     // flags a lane reads: grids of up to 512 blocks
     __syncthreads();
     if (threadIdx.x < 32) {
         if (threadIdx.x == 0) store_release(flags + 32 * blockIdx.x, target);
-        for (int b = threadIdx.x; b < (int)gridDim.x; b += 32)
-            while (load_acquire(flags + 32 * b) < target) {}
+        for (bool all = false; !all;) {
+            unsigned v[PER_LANE];
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                const int b = threadIdx.x + 32 * i;
+                v[i] = b < (int)gridDim.x ? load_relaxed(flags + 32 * b) : target;
+            }
+            bool ok = true;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) ok &= v[i] >= target;
+            all = __all_sync(0xffffffffu, ok);
+        }
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     __syncthreads();
 }
