@@ -2,10 +2,11 @@
 
 Per matmul of a Llama block at 4.0 bpw EXL2 (q/k/v after the attention norm, o, gate/up after the MLP norm, down
 after silu * up): the stage_xs + matmul launch pair (launch-per-op) against the same two ops as one segment launch;
-then the whole block's 8 launches against one segment of its 8 ops, after checking that the segment's outputs
-and launch-per-op's are the default build's bit for bit (so a --defines variant cannot pass by being wrong). Weights rotate over copies
-of the block, so they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also where the GPU puts a persistent grid's
-CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA index.
+then the whole block's 8 launches against one segment of its 8 ops, after checking that the segment's outputs and
+launch-per-op's are the default build's bit for bit (so a --defines variant cannot pass by being wrong). Weights
+rotate over copies of the block, so they come from DRAM; CUDA graph replay; GB/s counts packed weight bytes. Also
+where the GPU puts a persistent grid's CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA
+index.
 
     python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,QMM_SLOT_BYTES=8192]
     ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \

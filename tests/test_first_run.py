@@ -80,7 +80,8 @@ def test_a_load_and_a_generator_import_none_of_transformers_model_chain(tmp_path
     from conftest import FIXTURES
     probe = ("import sys, torch\n"
              "from exl_backends import ExlForCausalLM, Generator\n"
-             f"m = ExlForCausalLM.from_pretrained({str(FIXTURES / 'exl2' / 'llama_tiny_exl2_4.0bpw_h6')!r}, device='cpu')\n"
+             f"m = ExlForCausalLM.from_pretrained({str(FIXTURES / 'exl2' / 'llama_tiny_exl2_4.0bpw_h6')!r}, "
+             "device='cpu')\n"
              "Generator(m).submit([1, 2, 3, 4], max_new_tokens=2).result()\n"
              f"print([name for name in {HEAVY_MODULES!r} if name in sys.modules])\n"
              "print(type(m.config).__name__, type(m.generation_config).__name__)\n")

@@ -2,12 +2,12 @@
 
 How it is used: while a decode step of one sequence is captured (runner.DecodeGraph), the model runs inside
 `chaining()`. Then every one-row EXL2 matmul (QuantMatmul._small, through its OneRowMatmul) does not launch its
-stage_xs and matmul kernels but appends them to the chain as two ops, and returns its (not yet written) outputs. The model calls `flush()`
-before anything else reads them (before RoPE + KV write, after the last block, after a quantized head): the chain
-becomes one launch of
-decode_segment_exl2_<N> (the smallest N of SIZES that holds them), which runs the ops in order, each op's blocks spread over every SM, each op waiting for the
-one before through a counter in device memory. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up + down; the next
-block's norm + q/k/v) in one.
+stage_xs and matmul kernels but appends them to the chain as two ops, and returns its (not yet written) outputs. The
+model calls `flush()` before anything else reads them (before RoPE + KV write, after the last block, after a
+quantized head): the chain becomes one launch of decode_segment_exl2_<N> (the smallest N of SIZES that holds the
+ops), which runs the ops in order, each op's blocks spread over every SM, each op waiting for the one before through
+a counter in device memory. For the Llama family that is 8 launches of launch-per-op (o; norm + gate/up; silu * up +
+down; the next block's norm + q/k/v) in one.
 
 The schedule (which CTA runs which block, and what it waits on) is plain arithmetic, `schedule()`, printed by
 `describe()` (`exl bench --schedule`): virtual block v of op k runs on CTA (first_k + v) % G, and op k starts on the

@@ -60,7 +60,8 @@ HARNESS = r"""
 int main() {
     OFFSETS
     printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op),
-           offsetof(mk::Segment<SEGMENT_N>, done), offsetof(mk::Segment<SEGMENT_N>, n_ops), sizeof(mk::Segment<SEGMENT_N>));
+           offsetof(mk::Segment<SEGMENT_N>, done), offsetof(mk::Segment<SEGMENT_N>, n_ops),
+           sizeof(mk::Segment<SEGMENT_N>));
 }
 """
 
