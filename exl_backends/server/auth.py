@@ -13,16 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..paths import config_dir
 from .errors import APIError
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sk-exl-"
-
-
-def config_dir() -> Path:
-    root = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
-    return Path(root) / "exl-backends"
 
 
 def key_file() -> Path:
