@@ -210,6 +210,28 @@ def test_quickstart_measurement_fits_its_model(tmp_path, monkeypatch):
     assert len(layers) == 62                                # 30 x (attention, MLP), final norm, head
 
 
+def test_the_quickstart_prompt_runs_on_every_core_and_its_steps_on_one():
+    """On the CPU the quickstart's prompt runs on torch's threads and the one-row steps after the first token on one
+    (_chat's decode_threads); run() restores the threads after."""
+    from exl_backends.commands import quickstart
+    from conftest import FIXTURES
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cpu")
+    model.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    forward, threads_seen = model.model.forward, []
+
+    def counting(*args, **kwargs):
+        threads_seen.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+    model.model.forward = counting
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        quickstart._chat(model, "hello world", 4, quickstart.Clock(), decode_threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert threads_seen[0] == 2 and len(threads_seen) >= 3 and set(threads_seen[1:]) == {1}
+
+
 def test_quickstart_rows_cover_its_calibration():
     saved = load_file(CALIBRATION_ROWS)
     assert saved["quant"].shape == (CALIBRATION["rows"], CALIBRATION["length"])
