@@ -55,8 +55,8 @@ def hf_loading_arguments(device, dtype, hf_kwargs: dict) -> tuple[torch.device, 
 
 def tokenizer_beside(path: Path) -> Callable:
     """Starts load_tokenizer(path) in a thread and returns what waits for it (raising its error), so that the
-    tokenizer loads beside the weights: AutoTokenizer's config lookup imports much of transformers once per process
-    (1.1 s on the 2-core CPU machine; with a CUDA build of torch also torch.distributed, FSDP and dynamo, ~3 s)."""
+    tokenizer loads beside the weights: its first load in a process imports transformers (~0.5 s on the 2-core CPU
+    machine), and the first ever of a directory AutoTokenizer's model-config chain too (load_tokenizer)."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="exl-tokenizer")
     future = pool.submit(load_tokenizer, path)
     pool.shutdown(wait=False)               # the thread ends with the load
@@ -89,8 +89,10 @@ TOKENIZER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "sp
 
 
 def _tokenizer_key(path: Path) -> str:
-    """What AutoTokenizer's choice depends on: transformers' version and the files it reads (by path, size, time)."""
-    from importlib.metadata import version
+    """What AutoTokenizer's choice depends on: transformers' version and the files it reads (by path, size, time).
+    (transformers.__version__, not importlib.metadata's lookup: that scans every installed package's metadata, which
+    took seconds on the GPU machine; transformers is imported for the tokenizer anyway.)"""
+    import transformers
     stamps = []
     for name in TOKENIZER_FILES:
         try:
@@ -98,7 +100,7 @@ def _tokenizer_key(path: Path) -> str:
             stamps.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
         except OSError:
             pass
-    return "|".join([version("transformers"), str(path.resolve()), *stamps])
+    return "|".join([transformers.__version__, str(path.resolve()), *stamps])
 
 
 def _classes_file() -> Path:
