@@ -389,7 +389,7 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
 // cp.async.bulk before the wait, and walk it there after (walk<Fmt, true>). The copy runs while the block waits:
 // under dependent launch while the kernel before runs, in a megakernel while the op before finishes. The slots are
 // the last WARPS * QMM_SLOT_BYTES bytes of the block's dynamic shared memory (the launchers add them to the M1
-// plans' own: quant_matmul.SLOT_BYTES, set with the define by benchmarks' use_define).
+// plans' own: planning.launch_smem, from planning.SLOT_BYTES, which benchmarks' use_define sets with the define).
 #ifndef QMM_SLOT_BYTES
 #define QMM_SLOT_BYTES 0
 #endif
