@@ -1,7 +1,7 @@
-// megakernel.cu: a run of a decode step's one-row quantized matmuls and the x staging in front of each (matmul_rows.cu's
-// stage_xs and <fmt>_matmul_m1 launches, in their stream order) as ONE persistent launch. The launcher is
-// megakernel.py; the run is everything between two attention calls (o projection, post-attention norm, gate/up,
-// silu * up, down, the next block's norm and q/k/v), which launch-per-op took 8 launches for.
+// megakernel.cu: a run of a decode step's one-row quantized matmuls and the x staging in front of each
+// (matmul_rows.cu's stage_xs and <fmt>_matmul_m1 launches, in their stream order) as ONE persistent launch. The
+// launcher is megakernel.py; the run is everything between two attention calls (o projection, post-attention norm,
+// gate/up, silu * up, down, the next block's norm and q/k/v), which launch-per-op took 8 launches for.
 //
 // SEGMENT<N> (the kernel's one argument, by value: CUDA 12.1+ takes up to 32 KB of kernel parameters): the
 //   matmuls' Params (params[0 .. n_params), N / 2 slots, each in the constant bank as launch-per-op's own argument
@@ -10,9 +10,9 @@
 //   pair, ~13.6 KB at N = 12 (benchmarks/bench_chain.py times what parameter bytes cost a launch).
 //   STAGE    stage_xs's grid (grid_x, parts, 1) flattened to `blocks` virtual blocks v = part * grid_x + bx;
 //   MATMUL   the one-row matmul's `blocks` blocks, each of strips_per_block strips (launch-per-op's own plan: a CTA
-//            here is 8 warps, those past strips_per_block idle), reading what the STAGE before it staged at xs. EXL2 only for now: a GPTQ instance
-//            (qmm::Gptq) spills ~370 bytes at the 128 registers of two CTAs per SM (ptxas -v), where gptq_matmul_m1
-//            spills none; GPTQ models keep launch-per-op.
+//            here is 8 warps, those past strips_per_block idle), reading what the STAGE before it staged at xs.
+//            EXL2 only for now: a GPTQ instance (qmm::Gptq) spills ~370 bytes at the 128 registers of two CTAs
+//            per SM (ptxas -v), where gptq_matmul_m1 spills none; GPTQ models keep launch-per-op.
 //   Virtual block v of op k runs on CTA (op.first + v) % gridDim.x: megakernel.py's schedule picks `first` (and
 //   prints it). done[k] counts op k's finished blocks; done[n_ops] the CTAs that finished the segment.
 //
@@ -22,12 +22,13 @@
 //   outputs and no op overwrites what an earlier one still reads, exactly as the launches' stream order guaranteed.
 //   The wait is one acquire load per CTA (which also invalidates the SM's L1: no stale line of a buffer another
 //   CTA wrote is read), passed on to its warps by an mbarrier they wait on suspended; the signal is a block barrier
-//   and one release add. The last CTA to finish resets done[] for the next launch (every other CTA is past its last wait by then).
+//   and one release add. The last CTA to finish resets done[] for the next launch (every other CTA is past its
+//   last wait by then).
 //
-// WEIGHTS BEFORE THE WAIT. What reads only weights (in the blocks, their chunk metadata and first L2 prefetches)
-//   comes before the wait, as launch-per-op does before its dependent-launch
-//   wait. (Bulk L2 prefetches of the next matmul's whole weight spans before each wait were measured slower:
-//   docs/megakernel.md.)
+// WEIGHTS BEFORE THE WAIT. What reads only weights (in the blocks, their chunk metadata and first L2 prefetches;
+//   with QMM_SLOT_BYTES a warp's whole span copied into shared memory, qmm_rows.cuh WEIGHT SLOTS) comes before the
+//   wait, as launch-per-op does before its dependent-launch wait. (Bulk L2 prefetches of the next matmul's whole
+//   weight spans before each wait were measured slower: docs/megakernel.md.)
 //
 // DEADLOCK FREEDOM. Every CTA must be resident at once: megakernel.py sizes the grid by the occupancy the driver
 //   reports for this kernel and shared memory. pdl_trigger comes first, so a kernel launched after this one with

@@ -44,9 +44,6 @@ SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
 WAVE_SECONDS = 3.0e-6
 REDUCE_SECONDS = 0.8e-6
 REDUCE_ROWS, REDUCE_SPLITS = 2, 8
-# Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
-# of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
-# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, docs/decode-matmul.md).
 # qmm_rows.cuh QMM_SLOT_BYTES (WEIGHT SLOTS, an experiment, 0 by default): shared memory per warp of the one-row EXL2
 # matmul for its weight span; benchmarks' use_define sets both. Read at each launch, so plans made before a change
 # stay right.
@@ -62,6 +59,9 @@ def launch_smem(kernel: str, smem: int) -> int:
     return smem
 
 
+# Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
+# of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
+# that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, docs/decode-matmul.md).
 SMALL_STRIPS_PER_BLOCK = (8, 7)
 SMALL_BLOCKS_GAIN = 0.95
 
