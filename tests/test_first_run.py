@@ -69,20 +69,24 @@ def test_a_tokenizer_loads_as_autotokenizer_and_then_without_it(tmp_path, monkey
     assert len(asked) == 3
 
 
+# transformers' generation utilities import accelerate, the hub's kernels and (where installed) scikit-learn and
+# torchvision, with it torch._dynamo: 4.5 s of the 8B shape's warm first token on the H100 at 01c8965
 HEAVY_MODULES = ("transformers.models.auto.modeling_auto", "torch.distributed.tensor", "torch.nn.attention.bias",
-                 "torch._dynamo", "transformers.generation")
+                 "torch._dynamo", "transformers.generation.utils", "transformers.generation.stopping_criteria",
+                 "accelerate")
 
 
-def test_a_load_and_a_generator_import_none_of_transformers_model_chain(tmp_path):
+def test_a_load_and_its_first_tokens_import_none_of_transformers_model_chain(tmp_path):
     """What a warm first load must not import (BENCHMARKS.md, first run on a GPU machine: seconds each there):
-    from_pretrained, then a Generator's decode, in a fresh process whose cache remembers the tokenizer's class;
-    transformers' config objects still come when read."""
+    from_pretrained, then a Generator's decode and transformers-style generate(), in a fresh process whose cache
+    remembers the tokenizer's class; transformers' config objects still come when read."""
     from conftest import FIXTURES
     probe = ("import sys, torch\n"
              "from exl_backends import ExlForCausalLM, Generator\n"
              f"m = ExlForCausalLM.from_pretrained({str(FIXTURES / 'exl2' / 'llama_tiny_exl2_4.0bpw_h6')!r}, "
              "device='cpu')\n"
              "Generator(m).submit([1, 2, 3, 4], max_new_tokens=2).result()\n"
+             "m.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2, do_sample=False)\n"
              f"print([name for name in {HEAVY_MODULES!r} if name in sys.modules])\n"
              "print(type(m.config).__name__, type(m.generation_config).__name__)\n")
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
@@ -91,6 +95,22 @@ def test_a_load_and_a_generator_import_none_of_transformers_model_chain(tmp_path
     imported, config = out.stdout.strip().splitlines()[-2:]
     assert imported == "[]"
     assert config == "LlamaConfig GenerationConfig"
+
+
+def test_a_generation_config_without_its_file_is_the_one_transformers_derives(tmp_path):
+    """Made from config.json's dict (no model-config class imported); transformers derives it from its config
+    object. They may differ only where one says None and the other False."""
+    from conftest import FIXTURES
+    from transformers import AutoConfig, GenerationConfig
+    from exl_backends import ExlForCausalLM
+    for name in ("llama_tiny_exl2_4.0bpw_h6", "qwen2_tiny_exl2_4.0bpw_h6"):
+        model = tmp_path / name
+        shutil.copytree(FIXTURES / "exl2" / name, model)
+        (model / "generation_config.json").unlink(missing_ok=True)
+        ours = ExlForCausalLM.from_pretrained(model, device="cpu").generation_config.to_dict()
+        theirs = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model)).to_dict()
+        assert ours["eos_token_id"] is not None
+        assert [k for k in ours | theirs if ours.get(k) != theirs.get(k) and (ours.get(k) or theirs.get(k))] == []
 
 
 def test_a_tokenizer_loads_where_its_class_cannot_be_remembered(tmp_path, monkeypatch):

@@ -54,7 +54,8 @@ class ExlForCausalLM:
 
     @functools.cached_property
     def generation_config(self):
-        return load_generation_config(Path(self.name_or_path), self.config)
+        # from config.json's fields as written unless self.config is already made (same fields, without its import)
+        return load_generation_config(Path(self.name_or_path), self.__dict__.get("config", self.exl_config.raw))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | list | None = None,
@@ -182,7 +183,6 @@ class ExlForCausalLM:
         seeds come from torch's global generator, so transformers.set_seed makes runs repeatable. scores/logits
         are recomputed after decoding by one forward over the output (raw logits, then transformers' own
         processors for scores)."""
-        from transformers import StoppingCriteriaList, StopStringCriteria
         _refuse_unsupported(logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                             synced_gpus=synced_gpus, assistant_model=assistant_model,
                             negative_prompt_ids=negative_prompt_ids,
@@ -198,12 +198,7 @@ class ExlForCausalLM:
             raise ValueError(f"nothing to generate: the prompt has {ids.shape[1]} tokens and max_length is "
                              f"{gc.max_length}; set max_new_tokens")
         min_new = max(gc.min_new_tokens or 0, (gc.min_length or 0) - ids.shape[1], 0)
-        criteria = StoppingCriteriaList(stopping_criteria or [])
-        if gc.stop_strings:
-            if tokenizer is None:
-                raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=[...], "
-                                 "tokenizer=tokenizer)")
-            criteria.append(StopStringCriteria(tokenizer, gc.stop_strings))
+        criteria = _stopping_criteria(stopping_criteria, gc.stop_strings, tokenizer)
         n_ret = gc.num_return_sequences or 1
         if n_ret > 1:
             if not gc.do_sample:
@@ -216,7 +211,7 @@ class ExlForCausalLM:
         if streamer is not None:
             streamer.put(ids.cpu())
         try:
-            columns = _generate_columns(gen, ids, jobs, max_new, set(eos), pad, streamer, criteria or None)
+            columns = _generate_columns(gen, ids, jobs, max_new, set(eos), pad, streamer, criteria)
         finally:
             for job in jobs:
                 gen.cancel(job)
@@ -303,6 +298,21 @@ class ExlForCausalLM:
             gen = self._generator = Generator(self, max_batch_size=batch_size,
                                               cache_tokens=batch_size * pages * self.page_size)
         return gen
+
+
+def _stopping_criteria(criteria, stop_strings, tokenizer):
+    """transformers' StoppingCriteriaList of the caller's criteria and stop strings, or None when there are none
+    (importing transformers' generation package pulls in accelerate and the hub's kernels: seconds on a first
+    token that needs neither)."""
+    if not criteria and not stop_strings:
+        return None
+    from transformers import StoppingCriteriaList, StopStringCriteria
+    out = StoppingCriteriaList(criteria or [])
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=[...], tokenizer=tokenizer)")
+        out.append(StopStringCriteria(tokenizer, stop_strings))
+    return out
 
 
 def _generate_columns(gen, ids: Tensor, jobs: list, max_new_tokens: int, eos: set[int], pad: int | None, streamer,
@@ -401,11 +411,12 @@ def _hf_processors(gc, mask: Tensor, min_new: int, eos: list[int]):
 
 
 def load_generation_config(path: Path, config):
-    """The directory's generation_config.json, else the defaults transformers derives from config.json."""
+    """The directory's generation_config.json, else the defaults transformers derives from config.json (config: its
+    PretrainedConfig or its dict)."""
     from transformers import GenerationConfig
     if (path / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(str(path))
-    return GenerationConfig.from_model_config(config)
+    return GenerationConfig.from_model_config(dict(config) if isinstance(config, dict) else config)
 
 
 def hf_config(path: Path, raw: dict):
