@@ -6,7 +6,7 @@ Llama-3-8B shape at 4.0 bpw body + 6-bit head: ~3.9 GB/token -> ~1080 tok/s at 4
 Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 layers x ~12 launches).
 
     python benchmarks/bench_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--contexts 256,4096,32768]
-        [--megakernel both|on|off] [--defines ,QMM_SLOT_BYTES=8192]
+        [--megakernel both|on|off] [--defines ,MK_POLL_NS=0]
 
 --megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
 and the megakernel segments (kernels/megakernel.py), the model built once; --defines times both once per variant of
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--megakernel", choices=("both", "on", "off"), default="both")
-    ap.add_argument("--defines", default="", help="kernel variants, e.g. ',QMM_SLOT_BYTES=8192'")
+    ap.add_argument("--defines", default="", help="kernel variants, e.g. ',MK_POLL_NS=0'")
     args = ap.parse_args()
     paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.megakernel]
     runs = [(flag, define) for define in args.defines.split(",") for flag in paths]

@@ -8,7 +8,7 @@ rotate over copies of the block, so they come from DRAM; CUDA graph replay; GB/s
 where the GPU puts a persistent grid's CTAs (which SM runs CTA c), since a segment's schedule assigns blocks by CTA
 index.
 
-    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,QMM_SLOT_BYTES=8192]
+    python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,MK_POLL_NS=0]
     ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \
         --shapes llama-3.2-1b        # each matmul's launches and its segment, twice (scripts/gpu-check segment)
 """

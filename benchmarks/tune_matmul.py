@@ -42,12 +42,11 @@ def owner(name: str):
 
 
 def use_define(define: str, families=qm.FAMILIES) -> None:
-    """Makes the loader compile `families` (the quantized-matmul ones by default) with -D<define> ('+' between several; memoised per define).
-    QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid is one wave of them);
-    QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM_WARP_TILES=n set the GEMM plan's qm.GEMM_RESIDENT,
+    """Makes the loader compile `families` (the quantized-matmul ones by default) with -D<define> ('+' between
+    several; memoised per define). QMM_M1_BLOCKS=n also tells the launcher how many M1 blocks fit on an SM (its grid
+    is one wave of them); QMM_GEMM_BLOCKS=n, QMM_GEMM_STAGES=n and QMM_GEMM_WARP_TILES=n set the GEMM plan's qm.GEMM_RESIDENT,
     qm.GEMM_STAGES (shared memory) and qm.GEMM_WARP_ROWS to match, QMM_WG_STAGES=n and QMM_WG_DEPTH=n the wgmma
-    plan's qm.WGMMA_STAGES and qm.WGMMA_DEPTH (they take effect for weights prepared after this call); QMM_SLOT_BYTES=n
-    the one-row matmul's weight slots (planning.SLOT_BYTES)."""
+    plan's qm.WGMMA_STAGES and qm.WGMMA_DEPTH (they take effect for weights prepared after this call)."""
     original = loader.module.__wrapped__
     value = {k: int(v) for k, _, v in (d.partition("=") for d in define.split("+")) if v.isdigit()}
     planning.RESIDENT_BLOCKS[1] = value.get("QMM_M1_BLOCKS", M1_BLOCKS)
@@ -56,7 +55,6 @@ def use_define(define: str, families=qm.FAMILIES) -> None:
     qm.GEMM_WARP_ROWS = 16 * value.get("QMM_GEMM_WARP_TILES", GEMM_WARP_ROWS // 16)
     qm.WGMMA_STAGES = value.get("QMM_WG_STAGES", WGMMA_STAGES)
     qm.WGMMA_DEPTH = value.get("QMM_WG_DEPTH", WGMMA_DEPTH)
-    planning.SLOT_BYTES = value.get("QMM_SLOT_BYTES", 0)
 
     @functools.cache
     def module(family, cc):

@@ -25,10 +25,10 @@
 //   and one release add. The last CTA to finish resets done[] for the next launch (every other CTA is past its
 //   last wait by then).
 //
-// WEIGHTS BEFORE THE WAIT. What reads only weights (in the blocks, their chunk metadata and first L2 prefetches;
-//   with QMM_SLOT_BYTES a warp's whole span copied into shared memory, qmm_rows.cuh WEIGHT SLOTS) comes before the
-//   wait, as launch-per-op does before its dependent-launch wait. (Bulk L2 prefetches of the next matmul's whole
-//   weight spans before each wait were measured slower: docs/megakernel.md.)
+// WEIGHTS BEFORE THE WAIT. What reads only weights (in the blocks, their chunk metadata and first L2 prefetches)
+//   comes before the wait, as launch-per-op does before its dependent-launch wait. (Measured slower, both in
+//   docs/megakernel.md: bulk L2 prefetches of the next matmul's whole weight spans before each wait; each warp's
+//   whole span copied into shared memory before the wait, QMM_SLOT_BYTES until 01c8965.)
 //
 // DEADLOCK FREEDOM. Every CTA must be resident at once: megakernel.py sizes the grid by the occupancy the driver
 //   reports for this kernel and shared memory. pdl_trigger comes first, so a kernel launched after this one with
@@ -46,7 +46,6 @@
 #ifndef MK_SUSPEND_NS
 #define MK_SUSPEND_NS 1000000
 #endif
-
 
 namespace mk {
 
@@ -106,31 +105,11 @@ __device__ __forceinline__ int first_block(const Op& op, int c, int G) { return 
 // own, used for one phase (parity 0), so a CTA's later blocks of the same op pass at once. The poller's acquire
 // (which also invalidates the SM's L1) and the mbarrier's CTA-scope release/acquire order the op before's writes
 // before every warp's reads.
-// The weight slots' copies (qmm_rows.cuh WEIGHT SLOTS): per warp, the mbarrier its copies complete (arrival count
-// 1) and the copies it has waited for (the next one's parity): a CTA may run several matmul blocks.
-__shared__ unsigned long long copied_s[qmm::WARPS];
-__shared__ unsigned phase_s[qmm::WARPS];
-
 struct CounterWait {
-    static constexpr bool STAGES = qmm::SLOT_BYTES > 0;
     const int* counter;
     int target;
     int* poller;                 // shared memory, zero at the op's start
     unsigned barrier;            // shared-memory address of the op's mbarrier (arrival count 1)
-
-    __device__ __forceinline__ bool stage(qmm::Stream& st, int lane) const
-    {
-        return qmm::copy_span(st, lane, copied_s + threadIdx.x / 32);
-    }
-
-    __device__ __forceinline__ void landed(int lane) const
-    {
-        const int warp = threadIdx.x / 32;
-        qmm::wait_span(copied_s + warp, phase_s[warp] & 1u);
-        __syncwarp();
-        if (lane == 0) phase_s[warp] += 1;
-        __syncwarp();
-    }
 
     __device__ __forceinline__ void operator()() const
     {
@@ -172,18 +151,13 @@ __device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, in
 }
 
 template <class Fmt, int N>
-__device__ __forceinline__ void decode_segment(const Segment<N>& s)
+__device__ void decode_segment(const Segment<N>& s)
 {
     __shared__ int poller_s;                        // CounterWait's
     __shared__ unsigned long long barriers_s[N];
     const int c = blockIdx.x, G = gridDim.x;
     if (threadIdx.x < s.n_ops)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
-    if (CounterWait::STAGES && threadIdx.x < qmm::WARPS) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(copied_s + threadIdx.x)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");     // (visible to the copies' proxy)
-        phase_s[threadIdx.x] = 0;
-    }
     for (int k = 0; k < s.n_ops; ++k) {
         const Op& op = s.op[k];
         const int v0 = first_block(op, c, G);

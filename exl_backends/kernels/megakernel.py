@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from .loader import compute_capability, launch, resident_blocks
-from .planning import launch_smem
 
 FAMILY = "megakernel"
 SIZES = (2, 4, 8, 12)           # the ops a segment kernel holds (megakernel.cu decode_segment_exl2_<N>)
@@ -93,7 +92,7 @@ class OneRowMatmul:
         chain.append(Op(STAGE, self.stage_blocks * len(ys), 2 * self.k if norm_w is not None else 0, self.params,
                         dict(x=x, up=up, residual=residual, norm_w=norm_w, new_residual=new_residual, xs=xs), eps,
                         self.stage_blocks, name))
-        chain.append(Op(MATMUL, self.plan.blocks, launch_smem(self.plan.kernel, self.plan.smem), self.params,
+        chain.append(Op(MATMUL, self.plan.blocks, self.plan.smem, self.params,
                         dict(xs=xs, ws=self.ws, **dict(zip(("y0", "y1", "y2"), ys))),
                         strips_per_block=self.plan.threads // 32, name=name))
 

@@ -44,21 +44,6 @@ SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
 WAVE_SECONDS = 3.0e-6
 REDUCE_SECONDS = 0.8e-6
 REDUCE_ROWS, REDUCE_SPLITS = 2, 8
-# qmm_rows.cuh QMM_SLOT_BYTES (WEIGHT SLOTS, an experiment, 0 by default): shared memory per warp of the one-row EXL2
-# matmul for its weight span; benchmarks' use_define sets both. Read at each launch, so plans made before a change
-# stay right.
-SLOT_BYTES = 0
-SLOT_KERNEL = "exl2_matmul_m1"
-
-
-def launch_smem(kernel: str, smem: int) -> int:
-    """The dynamic shared memory of a launch of `kernel` whose own needs are `smem` bytes: with weight slots, the
-    one-row EXL2 matmul's warps' slots after them (the kernel finds them at the end)."""
-    if SLOT_BYTES and kernel == SLOT_KERNEL:
-        return -(-smem // 128) * 128 + WARPS * SLOT_BYTES
-    return smem
-
-
 # Strips (warps) per block the small-M planner tries. 7 fills the wave where 8-strip blocks leave SMs with one block
 # of two: the 8B shape's gate/up (2 x 448 strips, 2 splits) runs 224 blocks on 264 slots with 8, 256 with 7; a wave
 # that fills its slots measured ~11 % faster per byte (4096 x 16896 against 4096 x 14336, docs/decode-matmul.md).

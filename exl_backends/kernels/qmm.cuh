@@ -131,34 +131,28 @@ struct Stream {
     }
 
     // Lane's B words of the chunk at `chunk` (the span's start plus an offset): planes of 16, 8, then 4 bytes per
-    // lane. A batch passes its first chunk's pointer plus constants, so the loads take immediate offsets. SMEM: the
-    // span was copied into shared memory before the wait (a megakernel's staged weights) and `chunk` points there.
-    template <int B, bool SMEM = false>
+    // lane. A batch passes its first chunk's pointer plus constants, so the loads take immediate offsets.
+    template <int B>
     __device__ static void load(const unsigned char* chunk, int lane, unsigned (&w)[B])
     {
         constexpr int P16 = B / 4, P8 = B % 4 / 2, P4 = B % 2;
 #pragma unroll
         for (int i = 0; i < P16; ++i) {
-            const uint4* p = reinterpret_cast<const uint4*>(chunk + 512 * i) + lane;
-            const uint4 v = SMEM ? *p : load_stream(p);
+            const uint4 v = load_stream(reinterpret_cast<const uint4*>(chunk + 512 * i) + lane);
             w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
         }
         if constexpr (P8 == 1) {
-            const uint2* p = reinterpret_cast<const uint2*>(chunk + 512 * P16) + lane;
-            const uint2 v = SMEM ? *p : load_stream(p);
+            const uint2 v = load_stream(reinterpret_cast<const uint2*>(chunk + 512 * P16) + lane);
             w[4 * P16] = v.x; w[4 * P16 + 1] = v.y;
         }
-        if constexpr (P4 == 1) {
-            const unsigned* p = reinterpret_cast<const unsigned*>(chunk + 512 * P16 + 256 * P8) + lane;
-            w[B - 1] = SMEM ? *p : load_stream(p);
-        }
+        if constexpr (P4 == 1)
+            w[B - 1] = load_stream(reinterpret_cast<const unsigned*>(chunk + 512 * P16 + 256 * P8) + lane);
     }
 };
 
 // EXL2: zero point 2^(B-1); per-column scale fp16((c+1)^2 * m) from a 4-bit code c and the group's base m.
 struct Exl2 {
     static constexpr int REC0 = 16, REC1 = 0;    // bytes of a (strip, group) record in meta0, meta1
-    static constexpr bool SLOTS = true;          // the one-row matmul may walk weight slots (qmm_rows.cuh)
     struct Cursor { const unsigned* codes; };    // the lane's word of group 0's record
     struct Raw { unsigned codes, base; };
     struct State { half2 scale[2]; };            // (col(0), col(1)), (col(2), col(3))
@@ -206,7 +200,6 @@ struct Exl2 {
 // GPTQ: zero point and fp16 scale per (group, column), read as given (v1/v2 already resolved by prepare()).
 struct Gptq {
     static constexpr int REC0 = 64, REC1 = 32;
-    static constexpr bool SLOTS = false;         // with a second walk for slots its M1 kernel spills ~650 bytes
     struct Cursor { const uint2* scales; const unsigned* zeros; };     // the lane's entries of group 0
     struct Raw { uint2 scales; unsigned zeros; };
     struct State { half2 scale[2]; half2 bias[4][5]; };    // bias[j][i / B] = -(1024 * 2^-i + z_j)
@@ -270,7 +263,7 @@ __device__ __forceinline__ void start_stream(Stream& st, const Part& pt, int str
 
 // U chunks' words, chunk_meta entries and group records, loaded together (fetch), then consumed in order.
 // With them, whatever else the sink reads per chunk (Sink::Extra: the M1 matmul's x fragments and corrections).
-template <int U, int B, class Fmt, class Sink, bool SMEM = false>
+template <int U, int B, class Fmt, class Sink>
 struct Batch {
     unsigned w[U][B];
     int2 m[U];
@@ -284,7 +277,7 @@ struct Batch {
         const unsigned char* chunk = st.src + off;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            Stream::load<B, SMEM>(chunk + u * 128 * B, lane, w[u]);
+            Stream::load<B>(chunk + u * 128 * B, lane, w[u]);
             m[u] = meta[u];
         }
         sink.template extras<B, U>(c, ex);
@@ -331,19 +324,19 @@ struct NoExtra {
 // Sinks with PIPELINE (the staged matmuls) issue the next batch's loads before consuming the current one, so a warp's
 // demand loads stay in flight while it computes (the registers this takes cost one resident block per SM, and
 // still measured 5-38 % faster at M = 1: docs/decode-matmul.md).
-template <int B, class Fmt, bool SMEM, class Sink>
+template <int B, class Fmt, class Sink>
 __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const int2* meta, const Stream& st,
                                          unsigned off, int c, int end, int lane, Sink& sink)
 {
     constexpr int U = Sink::BATCH > 0 ? Sink::BATCH : batch<B>(), BYTES = 128 * B;
     if constexpr (Sink::PIPELINE) {
         if (c + U <= end) {
-            Batch<U, B, Fmt, Sink, SMEM> now;
-            if (!SMEM) st.ahead(off, off + U * BYTES, lane);
+            Batch<U, B, Fmt, Sink> now;
+            st.ahead(off, off + U * BYTES, lane);
             now.fetch(cur, meta, st, off, lane, c, sink);
             for (; c + 2 * U <= end; c += U, off += U * BYTES, meta += U) {
-                Batch<U, B, Fmt, Sink, SMEM> next;
-                if (!SMEM) st.ahead(off + U * BYTES, off + 2 * U * BYTES, lane);
+                Batch<U, B, Fmt, Sink> next;
+                st.ahead(off + U * BYTES, off + 2 * U * BYTES, lane);
                 next.fetch(cur, meta + U, st, off + U * BYTES, lane, c + U, sink);
                 now.consume(c, sink);
                 now = next;
@@ -353,21 +346,21 @@ __device__ __forceinline__ void walk_run(const typename Fmt::Cursor& cur, const 
         }
     } else {
         for (; c + U <= end; c += U, off += U * BYTES, meta += U) {
-            if (!SMEM) st.ahead(off, off + U * BYTES, lane);
-            Batch<U, B, Fmt, Sink, SMEM> now;
+            st.ahead(off, off + U * BYTES, lane);
+            Batch<U, B, Fmt, Sink> now;
             now.fetch(cur, meta, st, off, lane, c, sink);
             now.consume(c, sink);
         }
     }
     for (; c < end; ++c, off += BYTES, ++meta) {                        // already prefetched by the batches
-        Batch<1, B, Fmt, Sink, SMEM> one;
+        Batch<1, B, Fmt, Sink> one;
         one.fetch(cur, meta, st, off, lane, c, sink);
         one.consume(c, sink);
     }
 }
 
 // The chunks of width B = width_of(I) within [c0, c1).
-template <int I, class Fmt, bool SMEM, class Sink>
+template <int I, class Fmt, class Sink>
 __device__ __forceinline__ void walk_width(const Part& pt, const typename Fmt::Cursor& cur, const int2* meta_s,
                                            const Stream& st, int c0, int c1, int chunk_word0, int lane, Sink& sink)
 {
@@ -375,26 +368,26 @@ __device__ __forceinline__ void walk_width(const Part& pt, const typename Fmt::C
     if constexpr (Fmt::template has_width<B>()) {
         const int lo = max(c0, pt.run_start[I]), hi = min(c1, pt.run_start[I + 1]);
         if (lo < hi)
-            walk_run<B, Fmt, SMEM>(cur, meta_s + (lo - c0), st,
+            walk_run<B, Fmt>(cur, meta_s + (lo - c0), st,
                              4u * (pt.run_word[I] + 32 * B * (lo - pt.run_start[I]) - chunk_word0), lo, hi, lane,
                              sink);
     }
 }
 
 // Chunks of split s = [c0, c1) of one strip (the stream st), width by width: straight-line code, so each width's
-// loop keeps its own registers. meta_s: chunk_meta[c0..c1). SMEM: st.src is the span's copy in shared memory.
-template <class Fmt, bool SMEM = false, class Sink>
+// loop keeps its own registers. meta_s: chunk_meta[c0..c1).
+template <class Fmt, class Sink>
 __device__ __forceinline__ void walk(const Part& pt, int strip, int split, const int2* meta_s, const Stream& st,
                                      int lane, Sink& sink)
 {
     const typename Fmt::Cursor cur = Fmt::cursor(pt, strip, lane / 4);
     const int c0 = pt.split_chunk[split], c1 = pt.split_chunk[split + 1], w0 = pt.split_word[split];
-    walk_width<0, Fmt, SMEM>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
-    walk_width<1, Fmt, SMEM>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
-    walk_width<2, Fmt, SMEM>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
-    walk_width<3, Fmt, SMEM>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
-    walk_width<4, Fmt, SMEM>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
-    walk_width<5, Fmt, SMEM>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<0, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<1, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<2, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<3, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<4, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
+    walk_width<5, Fmt>(pt, cur, meta_s, st, c0, c1, w0, lane, sink);
 }
 
 // chunk_meta[c0..c1) into shared memory (every thread of the block takes part).

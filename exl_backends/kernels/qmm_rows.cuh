@@ -384,82 +384,11 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, ws_rows, counters);
 }
 
-// WEIGHT SLOTS (an experiment; QMM_SLOT_BYTES, 0 by default, and then nothing below is compiled in): the one-row
-// matmul's warps copy their whole weight span (when it fits) into a slot of QMM_SLOT_BYTES of shared memory by one
-// cp.async.bulk before the wait, and walk it there after (walk<Fmt, true>). The copy runs while the block waits:
-// under dependent launch while the kernel before runs, in a megakernel while the op before finishes. The slots are
-// the last WARPS * QMM_SLOT_BYTES bytes of the block's dynamic shared memory (the launchers add them to the M1
-// plans' own: planning.launch_smem, from planning.SLOT_BYTES, which benchmarks' use_define sets with the define).
-#ifndef QMM_SLOT_BYTES
-#define QMM_SLOT_BYTES 0
-#endif
-constexpr unsigned SLOT_BYTES = QMM_SLOT_BYTES;
-
-__device__ __forceinline__ unsigned dynamic_smem_bytes()
-{
-    unsigned n;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-    return n;
-}
-
-// Starts the copy of the warp's span into its slot, completing on the mbarrier `bar` (arrival count 1); st then
-// reads the slot. False (nothing started) where the span does not fit. The slot's earlier readers must be done (a
-// block barrier since); the proxy fence orders their reads before the copy's writes.
-__device__ __forceinline__ bool copy_span(Stream& st, int lane, unsigned long long* bar)
-{
-    if (st.span == 0 || st.span > SLOT_BYTES) return false;
-    extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* slot = smem + dynamic_smem_bytes() - (WARPS - threadIdx.x / 32) * SLOT_BYTES;
-    if (lane == 0) {
-        const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(st.span) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     ::"r"((unsigned)__cvta_generic_to_shared(slot)), "l"(st.src), "r"(st.span), "r"(b) : "memory");
-    }
-    st.src = slot;
-    return true;
-}
-
-// Waits (every lane) for the copy's phase `parity` of `bar`: its completion makes the copy's writes visible.
-__device__ __forceinline__ void wait_span(unsigned long long* bar, unsigned parity)
-{
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "LANDED:\n"
-        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra LANDED;\n"
-        "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity)
-        : "memory");
-}
-
-// PdlWait's mbarriers of its warps' copies (one block per launch: each used once, phase 0).
-__shared__ unsigned long long pdl_copied[WARPS];
-
 // What a block waits for before it reads another kernel's (or op's) output: launch-per-op, the kernel before
 // (dependent launch); a megakernel passes a wait for the op before. Called by each warp that goes on (some return
-// first), so it may synchronise a warp, never the block. stage(st, lane) before it: whether the warp's span is
-// being copied into its slot (st then reads the slot), and landed(lane) after it: the copy is in (WEIGHT SLOTS).
+// first), so it may synchronise a warp, never the block.
 struct PdlWait {
-    static constexpr bool STAGES = SLOT_BYTES > 0;
-
     __device__ __forceinline__ void operator()() const { pdl_wait(); }
-
-    __device__ __forceinline__ bool stage(Stream& st, int lane) const
-    {
-        if (st.span == 0 || st.span > SLOT_BYTES) return false;
-        unsigned long long* bar = pdl_copied + threadIdx.x / 32;
-        if (lane == 0) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((unsigned)__cvta_generic_to_shared(bar))
-                         : "memory");
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncwarp();
-        return copy_span(st, lane, bar);
-    }
-
-    __device__ __forceinline__ void landed(int) const { wait_span(pdl_copied + threadIdx.x / 32, 0); }
 };
 
 // Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
@@ -478,11 +407,9 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     const int split = local / pt.col_blocks, strip = local % pt.col_blocks * strips_per_block + warp;
     const bool mine = warp < strips_per_block && strip < pt.strips;
     Stream st;
-    bool staged = false;
     if (mine) {
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
-        if constexpr (Wait::STAGES && M1 && Fmt::SLOTS) staged = wait.stage(st, lane);
     }
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
@@ -493,16 +420,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
     sink.tile_step = 8 * (size_t)p.K;
     sink.cg = cg + (M1 ? 0 : 2 * q);
-    if constexpr (Wait::STAGES && M1 && Fmt::SLOTS) {
-        if (staged) {
-            wait.landed(lane);
-            walk<Fmt, true>(pt, strip, split, meta_s, st, lane, sink);
-        } else {
-            walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
-        }
-    } else {
-        walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
-    }
+    walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
 }

@@ -31,8 +31,8 @@ from ..formats.gptq import GptqWeight
 from ..model import reference
 from . import activation, megakernel, norm
 from .loader import aligned, compute_capability, launch
-from .planning import (CHUNK, MAX_SPLITS, WARPS, Lazy, choose_splits, launch_smem, rows_class, small_blocks,
-                       split_starts, x_tile)
+from .planning import (CHUNK, MAX_SPLITS, WARPS, Lazy, choose_splits, rows_class, small_blocks, split_starts,
+                       x_tile)
 
 STRIP = 32                      # columns per strip (one warp)
 THREADS = WARPS * 32
@@ -551,7 +551,7 @@ class QuantMatmul:
             launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
                    args=(self.plans[rows].arg(), self._stage(xs, rows, before), *outs, *nulls,
                          self._ws(plan, rows, x.device)),
-                   shared_mem=launch_smem(plan.kernel, plan.smem))
+                   shared_mem=plan.smem)
         return ys
 
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:

@@ -85,8 +85,7 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path, n):
 def test_a_one_row_matmul_appends_its_stage_and_matmul():
     """What QuantMatmul._small appends in a chain: stage_xs's blocks per part and arguments, then the matmul's plan,
     both reading the plan's Params; outputs beyond the parts stay null."""
-    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64, threads=224,
-                           kernel="exl2_matmul_m1")
+    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64, threads=224)
     pair = mk.OneRowMatmul(plan, 4096, 16, torch.device("cpu"))
     chain = mk.Chain(torch.zeros(26, dtype=torch.int32))
     x, xs, residual, w, new = (torch.zeros(4096, dtype=torch.float16) for _ in range(5))
@@ -108,22 +107,6 @@ def test_a_segment_takes_the_smallest_kernel_that_holds_its_ops():
     assert mk.kernel_name(8) == "decode_segment_exl2_8"
     with pytest.raises(StopIteration):
         mk.size_for(mk.MAX_OPS + 1)                     # (Chain.flush cuts longer chains at MAX_OPS)
-
-
-def test_weight_slots_go_after_the_one_row_exl2_matmuls_own_shared_memory(monkeypatch):
-    """planning.launch_smem (QMM_SLOT_BYTES, read at each launch): the slots of 8 warps after the kernel's own bytes
-    rounded up to 128, for the one-row EXL2 matmul only (its segment op too); nothing without slots."""
-    from exl_backends.kernels import planning
-    assert planning.launch_smem("exl2_matmul_m1", 1000) == 1000
-    monkeypatch.setattr(planning, "SLOT_BYTES", 8192)
-    assert planning.launch_smem("exl2_matmul_m1", 1000) == 1024 + 8 * 8192
-    assert planning.launch_smem("gptq_matmul_m1", 1000) == planning.launch_smem("exl2_matmul_m8", 1000) == 1000
-    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64, threads=256,
-                           kernel="exl2_matmul_m1")
-    chain = mk.Chain(torch.zeros(26, dtype=torch.int32))
-    x = torch.zeros(4096, dtype=torch.float16)
-    mk.OneRowMatmul(plan, 4096, 16, torch.device("cpu")).append(chain, x, (None,) * 4 + (0.0,), x, [x[None]])
-    assert chain.ops[1].smem == 128 + 8 * 8192
 
 
 def test_chaining_without_counters_changes_nothing():
