@@ -9,6 +9,7 @@ where the GPU puts a persistent grid's CTAs (which SM runs CTA c), since a segme
 index.
 
     python benchmarks/bench_segment.py [--shapes llama-3-8b,llama-3.2-1b] [--defines ,MK_POLL_NS=0]
+    python benchmarks/bench_segment.py --trace       # where each op's time goes in a block (qmm_rows.cuh TRACE)
     ncu --kernel-name regex:'decode_segment|matmul_m1|stage_xs' python benchmarks/bench_segment.py --eager \
         --shapes llama-3.2-1b        # each matmul's launches and its segment, twice (scripts/gpu-check segment)
 """
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
+
+import numpy as np
 
 os.environ["EXL_MEGAKERNEL"] = "1"           # QuantMatmul builds its segment ops only when the megakernel is on
 
@@ -28,6 +32,7 @@ from bench_matmul import copies_for, time_calls  # noqa: E402
 from shapes import BODY_MIX, SHAPES, random_exl2  # noqa: E402
 from tune_matmul import use_define  # noqa: E402
 
+from exl_backends.kernels import loader  # noqa: E402
 from exl_backends.kernels import megakernel as mk  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
@@ -154,14 +159,127 @@ def table(shape: str, blocks: list, per_block: list, nbytes: dict, want: dict, e
             f"segment / launch {t_seg / t_plain:5.3f}" for name, b, t_plain, t_seg in rows]
 
 
+TRACE_RECORDS = 1 << 17
+TRACE_DEFINE = f"QMM_TRACE={TRACE_RECORDS}"
+RECORD = np.dtype([("t", "<u8", 4), ("op", "<u4"), ("where", "<u4")])       # qmm_rows.cuh TraceRecord
+
+
+def trace_buffers(family: str):
+    """(count, records) of the family's trace buffers as cupy arrays (its module compiled with TRACE_DEFINE)."""
+    import cupy as cp
+    mod = loader.module(family, loader.compute_capability())
+    count = cp.ndarray((1,), cp.uint32, mod.get_global("qmm_trace_n"))
+    records = cp.ndarray((TRACE_RECORDS * RECORD.itemsize // 8,), cp.uint64, mod.get_global("qmm_trace"))
+    return count, records
+
+
+def traced(run, flush, families: list[str], runs: int) -> list[np.ndarray]:
+    """The records of `runs` replays of the graph of run(), each after a replay of flush's (the other weight
+    copies: the traced block's weights come from DRAM, as in a decode step)."""
+    graphs = []
+    for f in (flush, run):
+        f()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            f()
+        graphs.append(graph)
+    buffers = [trace_buffers(family) for family in families]
+    out = []
+    for _ in range(runs):
+        graphs[0].replay()
+        torch.cuda.synchronize()
+        for count, _ in buffers:
+            count.fill(0)
+        torch.cuda.synchronize()
+        graphs[1].replay()
+        torch.cuda.synchronize()
+        got = []
+        for count, records in buffers:
+            n = int(count.get()[0])
+            if n > TRACE_RECORDS:
+                raise SystemExit(f"{n} trace records, room for {TRACE_RECORDS}: raise TRACE_RECORDS")
+            got.append(records[:n * RECORD.itemsize // 8].get().view(RECORD))
+        out.append(np.concatenate(got))
+    return out
+
+
+def op_rows(records: np.ndarray, names: dict) -> list[tuple]:
+    """Per op of one traced run, in the order they started: (name, start, first pass, last pass, median work,
+    last walk end, end), microseconds from the run's first stamp. Pass: a warp's wait over; work: from its pass
+    to its walk's end (stage_xs: its end)."""
+    t = (records["t"] - records["t"][:, 0].min()).astype(np.float64) / 1e3
+    rows = []
+    for op in np.unique(records["op"]):
+        mine = t[records["op"] == op]
+        kind, parts, k = op & 1, op >> 1 & 7, (op >> 4) * 32
+        name = ("matmul " if kind else "stage ") + names.get((int(parts), int(k)), f"{parts} parts K {k}")
+        rows.append((name, mine[:, 0].min(), mine[:, 1].min(), mine[:, 1].max(),
+                     float(np.median(mine[:, 2] - mine[:, 1])), mine[:, 2].max(), mine[:, 3].max()))
+    return sorted(rows, key=lambda r: r[2])
+
+
+def trace_shape(shape: str, runs: int = 20) -> None:
+    """Where each op's time goes in one block (launch-per-op's 8 launches, then the same ops as one segment): per op,
+    medians over runs of its first warp's start, its warps' passes through the wait (first .. last), a warp's work
+    after its pass, the last walk's end and the op's end; and the gap from the op before's end to this op's first
+    pass (the dependency's latency). Kernels compiled with TRACE_DEFINE (the block's time under it is printed beside
+    the default build's, so the probe's own cost shows)."""
+    s = SHAPES[shape]
+    d, hd = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
+    names = {(3, d): "qkv", (1, s["num_attention_heads"] * hd): "o", (2, d): "gate_up",
+             (1, s["intermediate_size"]): "down"}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    first = block_weights(shape, gen)
+    blocks = [first] + [block_weights(shape, gen) for _ in range(copies_for(sum(f.nbytes() for f in first.values()))
+                                                                 - 1)]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inter = s["intermediate_size"]
+    inputs = {name: torch.randn(1, n, device="cuda", generator=g).half()
+              for name, n in (("h", d), ("res", d), ("attn", d), ("gate", inter), ("up", inter))}
+    inputs["norm_w"] = (1 + 0.05 * torch.randn(d, device="cuda", generator=g)).half()
+    per_block = [list(calls_of(b, inputs).values()) for b in blocks]
+    done = mk.counters(len(blocks), torch.device("cuda"))
+    segments = [chained(calls, done[j * (mk.MAX_OPS + 1):]) for j, calls in enumerate(per_block)]
+    paths = {"launch-per-op": ([f for calls in per_block for f in calls], len(per_block[0]), ["matmul_rows"]),
+             "segment": (segments, 1, ["megakernel"])}
+    for define in ("", TRACE_DEFINE):
+        use_define(define, FAMILIES)
+        for path, (calls, _, _) in paths.items():
+            print(f"{shape} {path} block {time_calls(calls) * len(calls) / len(blocks) * 1e6:.2f} us replayed, "
+                  f"weights from DRAM ({define or 'default build'})")
+    for path, (calls, per_copy, families) in paths.items():
+        def once(fs=calls[:per_copy]):
+            return [f() for f in fs]
+
+        def flush(fs=calls[per_copy:]):
+            return [f() for f in fs]
+        per_run = [op_rows(r, names) for r in traced(once, flush, families, runs)]
+        print(f"\n{shape} {path}, us from the block's first stamp, medians of {runs} runs")
+        print(f"{'op':16s} {'start':>7s} {'pass first':>10s} {'last':>7s} {'work':>7s} {'walked':>7s} {'end':>7s} "
+              f"{'gap':>6s}")
+        previous_end = None
+        for i, name in enumerate(r[0] for r in per_run[0]):
+            cols = [statistics.median(rows[i][j] for rows in per_run) for j in range(1, 7)]
+            gap = "" if previous_end is None else f"{cols[1] - previous_end:6.2f}"
+            print(f"{name:16s} " + " ".join(f"{c:7.2f}" if j != 1 else f"{c:10.2f}" for j, c in enumerate(cols))
+                  + f" {gap}")
+            previous_end = cols[5]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
     ap.add_argument("--eager", action="store_true", help="a few eager launches of each, for ncu")
     ap.add_argument("--defines", default="", help="megakernel.cu variants, comma-separated (-D, '+' between "
                                                    "several; empty: as it is)")
+    ap.add_argument("--trace", action="store_true", help="where each op's time goes in a block, by stamps")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
+    if args.trace:
+        for shape in args.shapes.split(","):
+            trace_shape(shape)
+        return
     if not args.eager:
         report_sm_map()
     for shape in args.shapes.split(","):

@@ -65,3 +65,14 @@ def test_nvrtc_compiles(source, arch):
         log = nvrtc.getProgramLog(prog)
         nvrtc.destroyProgram(prog)
     assert "warning" not in log.lower(), log
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("source", ["matmul_rows.cu", "matmul_moe.cu", "megakernel.cu"])
+def test_the_trace_probe_compiles(source):
+    """qmm_rows.cuh TRACE (benchmarks/bench_segment.py --trace): its buffers keep C names, which the benchmark looks
+    up by name."""
+    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "-DQMM_TRACE=1024", "-o",
+                          "/dev/stdout", str(KERNEL_DIR / source)], capture_output=True)
+    assert out.returncode == 0, out.stderr.decode()
+    assert b"\0qmm_trace_n\0" in out.stdout and b"\0qmm_trace\0" in out.stdout

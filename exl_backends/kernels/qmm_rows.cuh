@@ -27,9 +27,63 @@
 #pragma once
 #include "qmm.cuh"
 
+// TRACE (a probe; QMM_TRACE=n, 0 by default, and then Stamps compiles to nothing): lane 0 of each working warp of a
+//   stage_xs or one-row-class matmul block stamps %globaltimer (ns, one clock for all SMs) at its start, when its
+//   wait is over (the kernel or op before is done), when its walk over the weights ends, and at its end (partials
+//   written; for a strip's last warp, the reduction), then appends them as one TraceRecord to qmm_trace[0 .. n)
+//   (qmm_trace_n counts, past n too). The stamps wait in shared memory, so the kernels' registers are as without.
+//   benchmarks/bench_segment.py --trace reads them back and says where each op's time goes.
+#ifndef QMM_TRACE
+#define QMM_TRACE 0
+#endif
+
+struct TraceRecord {
+    unsigned long long t[4];     // start, wait over, walk over, end (stage_xs: the last two are its end)
+    unsigned op;                 // kind (0 stage_xs, 1 matmul) | n_parts << 1 | K / 32 << 4
+    unsigned where;              // SM << 16 | warp << 12 | block % 4096
+};
+
+#if QMM_TRACE
+extern "C" {
+__device__ TraceRecord qmm_trace[QMM_TRACE];
+__device__ unsigned qmm_trace_n;
+}
+#endif
+
 namespace qmm {
 
 using namespace exl;
+
+struct Stamps {
+#if QMM_TRACE
+    __device__ __forceinline__ static unsigned long long* slot()
+    {
+        __shared__ unsigned long long stamps_s[32][4];
+        return stamps_s[threadIdx.x / 32];
+    }
+    __device__ __forceinline__ void at(int i) const
+    {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+        if (threadIdx.x % 32 == 0) slot()[i] = t;
+    }
+    __device__ __forceinline__ void emit(int kind, int n_parts, int K, int block) const
+    {
+        if (threadIdx.x % 32) return;
+        const unsigned i = atomicAdd(&qmm_trace_n, 1u);
+        if (i >= QMM_TRACE) return;
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        TraceRecord& r = qmm_trace[i];
+        for (int k = 0; k < 4; ++k) r.t[k] = slot()[k];
+        r.op = kind | n_parts << 1 | K / 32 << 4;
+        r.where = sm << 16 | threadIdx.x / 32 << 12 | block % 4096;
+    }
+#else
+    __device__ __forceinline__ void at(int) const {}
+    __device__ __forceinline__ void emit(int, int, int, int) const {}
+#endif
+};
 
 // ------------------------------------------------------------------------------------------- matmul
 
@@ -406,6 +460,8 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int split = local / pt.col_blocks, strip = local % pt.col_blocks * strips_per_block + warp;
     const bool mine = warp < strips_per_block && strip < pt.strips;
+    const Stamps stamps;
+    stamps.at(0);
     Stream st;
     if (mine) {
         start_stream(st, pt, strip, split, lane);
@@ -415,6 +471,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
     if (!mine) return;
     wait();                                            // x (stage_xs's), ws and the counters
+    stamps.at(1);
     MatmulSink<Fmt, N8, M1, true> sink;
     const int g = lane / 4, q = lane % 4;
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
@@ -422,7 +479,10 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     sink.cg = cg + (M1 ? 0 : 2 * q);
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
+    stamps.at(2);
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
+    stamps.at(3);
+    stamps.emit(1, p.n_parts, p.K, local);
 }
 
 // Block b of the launch of p (the parts laid out in block order; the kernel's blockIdx.x, or a megakernel's
@@ -459,11 +519,14 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     const int c = bx * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, chunks = p.K / 32;
     const bool active = c < chunks;                    // (the grid's y is n_parts)
     if (!active && !norm_w) return;                    // (with a norm, every thread takes part in its barrier)
+    const Stamps stamps;
+    stamps.at(0);
     const Part& pt = p.part[part];
     const int k = 32 * c + lane, b = active ? width_at(pt, c) : 0;
     const int src = !active ? 0 : pt.perm ? __ldg(pt.perm + k) : k;
     const half w = norm_w ? __ldg(norm_w + src) : half();
     wait();                                            // x comes from the kernel before
+    stamps.at(1);
     const size_t row = (size_t)min(m, p.M - 1) * p.K;
     half in;
     if (norm_w) {
@@ -486,6 +549,9 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
         corr[((size_t)part * chunks + c) * R + m] = (b == 4 || b == 6 || b == 8)
                                               ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2))
                                               : make_float2(0.f, 0.f);
+    stamps.at(2);
+    stamps.at(3);
+    stamps.emit(0, p.n_parts, p.K, bx);
 }
 
 // MoE: the experts of one layer (experts[e], a Params in device memory, all with the same parts' shapes and block
