@@ -251,6 +251,11 @@ def load_parts(args, results: Results) -> None:
                     page_cache_read_s=read_s)
     if args.profile:
         profile_load(str(model_dir), args.device, kernels, env["HOME"], args.profile)
+        if args.device == "cuda":
+            phases = load_phases(str(model_dir), kernels, env["HOME"])
+            results.add(f"{args.shape} warm load by part (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
+                        what="warm load by part", shape=args.shape,
+                        **{re.sub(r"\W+", "_", k) + "_s": v for k, v in phases.items()})
     if not args.keep:
         shutil.rmtree(model_dir, ignore_errors=True)
 
@@ -271,6 +276,54 @@ for key, n in (("cumulative", 70), ("tottime", 35)):
     pstats.Stats(profile, stream=text).sort_stats(key).print_stats(n)
     print(text.getvalue())
 """
+
+
+# The warm load's parts, one after another in one process (page cache warm), each synchronised: reading the
+# linears' tensors into memory, copying them to the GPU, repacking and planning them there (quant_matmul.prepare),
+# then the whole from_pretrained and its first token as the benchmark times them.
+_LOAD_PHASES = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from exl_backends import ExlForCausalLM, formats
+from exl_backends.formats import exl2
+from exl_backends.kernels import quant_matmul
+from exl_backends.model.config import ModelConfig
+from exl_backends.model.model import linears
+phases = {"imports": time.perf_counter() - t0}
+config, ckpt = ModelConfig.from_dir(sys.argv[1]), formats.open_checkpoint(sys.argv[1])
+torch.zeros(1, device="cuda")
+for part in ("read", "to GPU", "repack + plan"):
+    phases[part] = 0.0
+for key, k, n, _ in linears(config, ckpt.store):
+    t = time.perf_counter()
+    w = exl2.load(ckpt.store, key, k, n)
+    phases["read"] += time.perf_counter() - t
+    t = time.perf_counter()
+    w = w.to(torch.device("cuda"))
+    torch.cuda.synchronize()
+    phases["to GPU"] += time.perf_counter() - t
+    t = time.perf_counter()
+    quant_matmul.prepare(w, None)
+    torch.cuda.synchronize()
+    phases["repack + plan"] += time.perf_counter() - t
+t = time.perf_counter()
+model = ExlForCausalLM.from_pretrained(sys.argv[1], device="cuda", max_seq_len=2048)
+phases["from_pretrained"] = time.perf_counter() - t
+t = time.perf_counter()
+model.generate(torch.tensor([[1, 2, 3, 4]], device=model.device), max_new_tokens=1, do_sample=False)
+torch.cuda.synchronize()
+phases["first token"] = time.perf_counter() - t
+print(json.dumps(phases))
+"""
+
+
+def load_phases(model_dir: str, kernels: str, home: str) -> dict[str, float]:
+    env = dict(os.environ, HOME=home, CUPY_CACHE_DIR=kernels)
+    run = subprocess.run([sys.executable, "-c", _LOAD_PHASES, model_dir], env=env, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"the load-phases probe failed:\n{run.stderr[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def profile_load(model_dir: str, device: str, kernels: str, home: str, out: Path) -> None:
