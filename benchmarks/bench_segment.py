@@ -54,12 +54,21 @@ def block_weights(shape: str, gen: torch.Generator) -> dict:
 
 
 def calls_of(block: dict, inputs: dict) -> dict:
-    """Each matmul as launch-per-op runs it (its staging included)."""
+    """Each matmul as launch-per-op runs it (its staging included), on inputs of its own; and "block": the four
+    as a layer runs them, each reading the one before's outputs (o, norm + gate/up, silu * up + down, the next
+    block's norm + q/k/v), where a segment's stages sum the partials before them (megakernel.summed_by_next)."""
     h, res, norm_w, attn, gate, up = (inputs[n] for n in ("h", "res", "norm_w", "attn", "gate", "up"))
+
+    def layer():
+        y_o = block["o"].forward(attn)
+        (g, u), r = block["gate_up"].forward_normed(y_o[0], res, norm_w, EPS)
+        y_d = block["down"].forward(g, u)
+        return y_o, g, u, y_d, block["qkv"].forward_normed(y_d[0], r, norm_w, EPS)
     return {"qkv": lambda: block["qkv"].forward_normed(h, res, norm_w, EPS),
             "o": lambda: block["o"].forward(attn),
             "gate_up": lambda: block["gate_up"].forward_normed(h, res, norm_w, EPS),
-            "down": lambda: block["down"].forward(gate, up)}
+            "down": lambda: block["down"].forward(gate, up),
+            "block": layer}
 
 
 def chained(calls: list, done: torch.Tensor):
@@ -72,9 +81,9 @@ def chained(calls: list, done: torch.Tensor):
 
 
 def same(a, b) -> bool:
-    """Outputs equal bit for bit (tensors, or lists / tuples of them)."""
+    """Outputs equal bit for bit (fp16 tensors, or lists / tuples of them; NaNs too)."""
     if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
@@ -139,15 +148,13 @@ def table(shape: str, blocks: list, per_block: list, nbytes: dict, want: dict, e
     done = mk.counters(len(blocks) * 5, torch.device("cuda"))
     rows = []
     for i, name in enumerate(list(nbytes) + ["block"]):
-        plain = [c[name] for c in per_block] if name != "block" else [f for c in per_block for f in c.values()]
-        ops = [[c[name]] if name != "block" else list(c.values()) for c in per_block]
-        seg = [chained(calls, done[(j * 5 + i) * stride:]) for j, calls in enumerate(ops)]
-        expected = [want[n] for n in ([name] if name != "block" else want)]
-        for path, got in (("launch-per-op", [f() for f in ops[0]]), ("segment", seg[0]())):
-            if not same(got, expected):             # a variant (--defines) must keep the outputs
+        plain = [c[name] for c in per_block]
+        seg = [chained([c[name]], done[(j * 5 + i) * stride:]) for j, c in enumerate(per_block)]
+        for path, got in (("launch-per-op", plain[0]()), ("segment", seg[0]()[0])):
+            if not same(got, want[name]):           # a variant (--defines) must keep the outputs
                 raise SystemExit(f"{shape} {name}: {path}'s outputs differ from the default build's")
         if eager:                                   # for ncu: two launches of each on the first copy, no graph
-            for f in plain[:len(plain) // len(blocks)] * 2 + seg[:1] * 2:
+            for f in plain[:1] * 2 + seg[:1] * 2:
                 f()
             torch.cuda.synchronize()
             continue
@@ -238,11 +245,10 @@ def trace_shape(shape: str, runs: int = 20) -> None:
     inputs = {name: torch.randn(1, n, device="cuda", generator=g).half()
               for name, n in (("h", d), ("res", d), ("attn", d), ("gate", inter), ("up", inter))}
     inputs["norm_w"] = (1 + 0.05 * torch.randn(d, device="cuda", generator=g)).half()
-    per_block = [list(calls_of(b, inputs).values()) for b in blocks]
+    layers = [calls_of(b, inputs)["block"] for b in blocks]
     done = mk.counters(len(blocks), torch.device("cuda"))
-    segments = [chained(calls, done[j * (mk.MAX_OPS + 1):]) for j, calls in enumerate(per_block)]
-    paths = {"launch-per-op": ([f for calls in per_block for f in calls], len(per_block[0]), ["matmul_rows"]),
-             "segment": (segments, 1, ["megakernel"])}
+    segments = [chained([layer], done[j * (mk.MAX_OPS + 1):]) for j, layer in enumerate(layers)]
+    paths = {"launch-per-op": (layers, 1, ["matmul_rows"]), "segment": (segments, 1, ["megakernel"])}
     for define in ("", TRACE_DEFINE):
         use_define(define, FAMILIES)
         for path, (calls, _, _) in paths.items():
