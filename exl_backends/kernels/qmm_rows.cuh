@@ -526,23 +526,53 @@ struct Partials {
 
     __device__ __forceinline__ bool pending() const { return pt != nullptr && pt->n_splits > 1; }
 
+    // SUM_LOADS splits' loads in flight at a time (one at a time, the summing stages were 10-25x slower: each load
+    // an L2 round trip, bench_segment --trace, f0bb5b0); zeros past n_splits, as reduce_splits adds.
+    static constexpr int SUM_LOADS = 4;
+
     __device__ __forceinline__ half at(size_t col) const
     {
         if (!pending()) return y[col];
         const float* p = ws + pt->ws_offset + col;
         float sum = 0.f;
-        for (int s = 0; s < pt->n_splits; ++s) sum += __ldcg(p + (size_t)s * pt->np);
+        for (int s0 = 0; s0 < pt->n_splits; s0 += SUM_LOADS) {
+            float v[SUM_LOADS];
+#pragma unroll
+            for (int u = 0; u < SUM_LOADS; ++u)
+                v[u] = s0 + u < pt->n_splits ? __ldcg(p + (size_t)(s0 + u) * pt->np) : 0.f;
+#pragma unroll
+            for (int u = 0; u < SUM_LOADS; ++u) sum += v[u];
+        }
         return __float2half_rn(sum + bias_at(pt->bias, (int)col));
     }
 
+    // y[i .. i + 8) (i % 8 == 0; np and ws_offset are multiples of 32: the partials' rows are 32-byte aligned).
     __device__ __forceinline__ uint4 load8(size_t i) const
     {
         if (!pending()) return *reinterpret_cast<const uint4*>(y + i);
-        uint4 v;
-        half* h = reinterpret_cast<half*>(&v);
+        const float* p = ws + pt->ws_offset + i;
+        float sum[8] = {};
+        for (int s0 = 0; s0 < pt->n_splits; s0 += SUM_LOADS) {
+            float4 v[SUM_LOADS][2];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) h[j] = at(i + j);
-        return v;
+            for (int u = 0; u < SUM_LOADS; ++u) {
+                const float4* row = reinterpret_cast<const float4*>(p + (size_t)(s0 + u) * pt->np);
+                const bool in = s0 + u < pt->n_splits;
+                v[u][0] = in ? __ldcg(row) : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[u][1] = in ? __ldcg(row + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < SUM_LOADS; ++u) {
+                const float* f = reinterpret_cast<const float*>(v[u]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum[j] += f[j];
+            }
+        }
+        uint4 out;
+        half* h = reinterpret_cast<half*>(&out);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = __float2half_rn(sum[j] + bias_at(pt->bias, (int)(i + j)));
+        return out;
     }
 };
 
