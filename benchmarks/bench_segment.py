@@ -56,7 +56,7 @@ def block_weights(shape: str, gen: torch.Generator) -> dict:
 def calls_of(block: dict, inputs: dict) -> dict:
     """Each matmul as launch-per-op runs it (its staging included), on inputs of its own; and "block": the four
     as a layer runs them, each reading the one before's outputs (o, norm + gate/up, silu * up + down, the next
-    block's norm + q/k/v), where a segment's stages sum the partials before them (megakernel.summed_by_next)."""
+    block's norm + q/k/v)."""
     h, res, norm_w, attn, gate, up = (inputs[n] for n in ("h", "res", "norm_w", "attn", "gate", "up"))
 
     def layer():

@@ -219,7 +219,7 @@ __device__ __forceinline__ void permute_x(const Params& p, int M, const half* x,
     for (int a = 0; a < PERMUTE_AHEAD; a++)
         if (threadIdx.x + a * THREADS < K / 8) permute_sources(perm, threadIdx.x + a * THREADS, ahead[a]);
     pdl_wait();                                        // x is an earlier kernel's
-    const float inv_rms = norm_w ? residual_row(Written{x}, residual, K, at, eps) : 0.f;
+    const float inv_rms = norm_w ? residual_row(x, residual, K, at, eps) : 0.f;
     for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
         uint4 v = norm_w ? *reinterpret_cast<const uint4*>(row_s + i) : __ldg(reinterpret_cast<const uint4*>(x + at + i));
         half* h = reinterpret_cast<half*>(&v);

@@ -70,8 +70,7 @@ struct Op {
     int first;                   // the CTA that runs virtual block 0
     int strips_per_block;        // MATMUL: the plan's (<= 8)
     int params;                  // index into Segment::params: the weights' M1 plan (STAGE: the matmul's it feeds)
-    int partials;                // MATMUL: 1 = leave split partials for the stage after it to sum; STAGE: the
-                                 // Params index of the matmul op before, whose partials x and up are, or -1
+    int pad;
 };
 
 template <int N>
@@ -141,16 +140,14 @@ __device__ __forceinline__ unsigned smem_address(const void* p) { return (unsign
 // operands and through the uniform datapath; a copy in shared memory made every field a load and its address
 // arithmetic per-thread (SASS, 2026-12-06: twice the LEA / ISETP, +50 % MOV, no ULDC), ~4 K more warp instructions a
 // block (ncu), and each op ~0.6 us slower than its own launch.
-template <class Fmt, int N>
-__device__ __forceinline__ void run_block(const Segment<N>& s, const Op& op, int v, const CounterWait& wait)
+template <class Fmt>
+__device__ __forceinline__ void run_block(const Op& op, const qmm::Params& p, int v, const CounterWait& wait)
 {
-    const qmm::Params& p = s.params[op.params];
     if (op.kind == STAGE)
         qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
-                      v / op.grid_x, 0, 1, wait, op.partials >= 0 ? &s.params[op.partials] : nullptr, op.ws);
+                      v / op.grid_x, 0, 1, wait);
     else
-        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, op.strips_per_block, wait,
-                                  op.partials != 0);
+        qmm::matmul<Fmt, 1, true>(p, op.xs, op.y0, op.y1, op.y2, op.ws, v, op.strips_per_block, wait);
 }
 
 template <class Fmt, int N>
@@ -173,7 +170,7 @@ __device__ void decode_segment(const Segment<N>& s)
                                smem_address(barriers_s + k)};
         int ran = 0;
         for (int v = v0; v < op.blocks; v += G, ++ran) {
-            run_block<Fmt>(s, op, v, wait);
+            run_block<Fmt>(op, s.params[op.params], v, wait);
             __syncthreads();                           // shared memory is the next block's
         }
         if (threadIdx.x == 0) release_add(s.done + k, ran);

@@ -40,8 +40,7 @@ MIN_CC = (9, 0)                 # dependent launch (the wait before an op's firs
 OP_DTYPE = np.dtype([(name, np.uint64) for name in
                      ("x", "up", "residual", "norm_w", "new_residual", "xs", "y0", "y1", "y2", "ws")] +
                     [("eps", np.float32), ("kind", np.int32), ("blocks", np.int32), ("grid_x", np.int32),
-                     ("first", np.int32), ("strips_per_block", np.int32), ("params", np.int32),
-                      ("partials", np.int32)])
+                     ("first", np.int32), ("strips_per_block", np.int32), ("params", np.int32), ("pad", np.int32)])
 
 
 @functools.cache
@@ -183,43 +182,12 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
     return firsts
 
 
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def summed_by_next(ops: list[Op]) -> set[int]:
-    """The MATMUL ops whose outputs only the STAGE right after them reads, as its x (y0) and up (y1, else none): o
-    before the norm of gate/up, gate/up before silu * up, down before the next block's norm. Those leave their split
-    partials and that stage sums them as it reads them (and writes y), so the matmul's reduction (its last warp per
-    strip: an arrival and a read of every split's partial, ~2 us an op: bench_segment --trace) leaves the critical
-    path. q/k/v (read by RoPE, outside the launch) and the last op of a launch sum their own."""
-    out = set()
-    for i, (op, stage) in enumerate(zip(ops, ops[1:])):
-        ys = [op.tensors.get(f) for f in ("y0", "y1", "y2")]
-        ys = [y for y in ys if y is not None]
-        if op.kind != MATMUL or stage.kind != STAGE or op.tensors.get("ws") is None or not 1 <= len(ys) <= 2:
-            continue
-        x, up = stage.tensors.get("x"), stage.tensors.get("up")
-        if x is None or x.data_ptr() != ys[0].data_ptr() or (up is None) != (len(ys) == 1) or \
-                up is not None and up.data_ptr() != ys[1].data_ptr():
-            continue
-        others = [t for k, other in enumerate(ops) for name, t in other.tensors.items()
-                  if t is not None and not (k == i and name in ("y0", "y1")) and
-                  not (k == i + 1 and name in ("x", "up"))]
-        if not any(_overlap(t, y) for t in others for y in ys):
-            out.add(i)
-    return out
-
-
 def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
     """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
-    Params once (a stage and its matmul share theirs); the matmuls whose partials the stage after sums
-    (summed_by_next)."""
+    Params once (a stage and its matmul share theirs)."""
     n = size_for(len(ops))
     s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
     param_slots: dict[int, int] = {}
-    summed = summed_by_next(ops)
     for i, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
         slot = param_slots.setdefault(id(op.params), len(param_slots))
         if slot >= n // 2:
@@ -231,12 +199,6 @@ def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
         rec["eps"], rec["kind"], rec["blocks"], rec["grid_x"], rec["first"], rec["strips_per_block"] = \
             op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
         rec["params"] = slot
-        if op.kind == MATMUL:
-            rec["partials"] = int(i in summed)
-        elif i - 1 in summed:
-            rec["partials"], rec["ws"] = param_slots[id(ops[i - 1].params)], ops[i - 1].tensors["ws"].data_ptr()
-        else:
-            rec["partials"] = -1
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
     return s
 
@@ -244,16 +206,11 @@ def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
 def describe(ops: list[Op], grid: int) -> str:
     """The schedule in words: per op, its blocks, the CTAs that run them and what it waits on."""
     lines = [f"one launch of {grid} CTAs ({THREADS} threads), {len(ops)} ops in order:"]
-    summed = summed_by_next(ops)
     for k, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
         last = (first + op.blocks - 1) % grid
         span = f"CTAs {first}..{last}" if op.blocks <= grid else f"every CTA ({op.blocks / grid:.1f} blocks each)"
         wait = f"waits for op {k - 1} (done[{k - 1}] = {ops[k - 1].blocks})" if k else "waits for the launch before"
         what = "stage x" if op.kind == STAGE else "matmul"
-        if k in summed:
-            what += " (leaves its split partials)"
-        elif k - 1 in summed:
-            what += f" (sums op {k - 1}'s partials)"
         lines.append(f"  op {k}: {what} {op.name}: {op.blocks} blocks on {span}; {wait}; then done[{k}] += 1 a block")
     return "\n".join(lines)
 

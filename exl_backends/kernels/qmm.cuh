@@ -400,24 +400,16 @@ __device__ __forceinline__ void stage_meta(int2* meta_s, const int2* chunk_meta,
 
 __device__ __forceinline__ float bias_at(const half* bias, int col) { return bias ? __half2float(bias[col]) : 0.f; }
 
-// x as written: 8 halves of x from element i of the row (16-byte aligned).
-struct Written {
-    const half* x;
-    __device__ __forceinline__ uint4 load8(size_t i) const { return *reinterpret_cast<const uint4*>(x + i); }
-};
-
 // r = fp16(x + residual) of the block's row of x (row: its offset in x; residual null: r = x) into shared memory
 // (K halves, dynamic; x and residual 16-byte aligned, K % 8 == 0: the launchers check), and its inverse RMS, as
 // norm.cu computes them (norm.cuh). Every thread of the block calls it (block_sum's barrier, which also publishes r).
-// X: where x's values come from (Written; a megakernel's stage may sum them from split partials, qmm_rows.cuh).
-template <class X = Written>
-__device__ __forceinline__ float residual_row(const X& x, const half* residual, int K, size_t row, float eps)
+__device__ __forceinline__ float residual_row(const half* x, const half* residual, int K, size_t row, float eps)
 {
     static_assert(THREADS == NORM_THREADS, "norm.cuh sums a row over NORM_THREADS threads");
     extern __shared__ __align__(16) half r_s[];
     float sum_sq = 0.f;
     for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
-        uint4 xv = x.load8(row + i);
+        uint4 xv = *reinterpret_cast<const uint4*>(x + row + i);
         half* r = reinterpret_cast<half*>(&xv);
         if (residual) {
             const uint4 bv = *reinterpret_cast<const uint4*>(residual + row + i);
@@ -433,8 +425,7 @@ __device__ __forceinline__ float residual_row(const X& x, const half* residual, 
 
 // The add_rmsnorm of the block's row of x (residual_row), fp16(w * fp16(r * inv_rms)) at the lane's src, w = the norm
 // weight there; a writer block (part 0, row m < M) writes its 256 elements of r, 256 bx on, to new_residual.
-template <class X>
-__device__ __forceinline__ half stage_norm(const X& x, const half* residual, half w, half* new_residual, int K,
+__device__ __forceinline__ half stage_norm(const half* x, const half* residual, half w, half* new_residual, int K,
                                            size_t row, int src, float eps, bool writer, int bx)
 {
     extern __shared__ __align__(16) half r_s[];

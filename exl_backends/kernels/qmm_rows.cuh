@@ -371,10 +371,9 @@ __device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int s
 
 // The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
 // warp to arrive reduces them.
-// leave_partials: only the partials (a megakernel's next op sums them: Partials below), no arrival.
 template <int N8, bool M1>
 __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
-                                       half* y, float* ws, int ws_rows, int* counters, bool leave_partials = false)
+                                       half* y, float* ws, int ws_rows, int* counters)
 {
     const int lane = threadIdx.x % 32;
     const int N = pt.n, Np = pt.np;
@@ -386,7 +385,6 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
     }
     float* part = ws + (size_t)split * ws_rows * Np;
     for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) { part[(size_t)m * Np + col] = v; });
-    if (leave_partials) return;
     __syncwarp();                                // the warp's partials, then its arrival (release)
     int done = 0;
     if (lane == 0) done = arrive(counters + strip);
@@ -455,7 +453,7 @@ struct PdlWait {
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters,
-                                                   int strips_per_block, const Wait& wait, bool leave_partials)
+                                                   int strips_per_block, const Wait& wait)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
@@ -482,7 +480,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     stamps.at(2);
-    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, leave_partials);
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
     stamps.at(3);
     stamps.emit(1, p.n_parts, p.K, local);
 }
@@ -490,11 +488,9 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
 // Block b of the launch of p (the parts laid out in block order; the kernel's blockIdx.x, or a megakernel's
 // virtual block), of strips_per_block strips (the plan's). xs is stage_xs's output for R = 1 (M1), 8 or 16 (N8 = 1,
 // 2) staged rows: the parts' x in stored order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
-// leave_partials: split parts leave their partials for the next op to sum (a megakernel's; finish).
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
-                                       int b, int strips_per_block, const Wait& wait = Wait(),
-                                       bool leave_partials = false)
+                                       int b, int strips_per_block, const Wait& wait = Wait())
 {
     constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, b);
@@ -503,8 +499,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
     const float2* corr =
         reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
     matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
-                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait,
-                                    leave_partials);
+                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait);
 }
 
 // x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,
@@ -516,74 +511,10 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
 //  - up non-null ([M, K] like x): the gated MLP's fp16(fp16(silu(x)) * up), rounded as activation.cu's silu_mul;
 //  - norm_w non-null: the block's add_rmsnorm (residual non-null) or rmsnorm of x with weight norm_w (stage_norm),
 //    the new residual written to new_residual.
-// A one-row matmul's output y that a megakernel's matmul op left as split partials (leave_partials): part `pt` of
-// its Params, partials at ws + pt.ws_offset, [n_splits][np]. y[col] = fp16(the partials summed in split order +
-// bias): reduce_splits' arithmetic, so the same bits. pt null, or one split: y as written.
-struct Partials {
-    const Part* pt;
-    const float* ws;
-    const half* y;
-
-    __device__ __forceinline__ bool pending() const { return pt != nullptr && pt->n_splits > 1; }
-
-    // SUM_LOADS splits' loads in flight at a time (one at a time, the summing stages were 10-25x slower: each load
-    // an L2 round trip, bench_segment --trace, f0bb5b0); zeros past n_splits, as reduce_splits adds.
-    static constexpr int SUM_LOADS = 4;
-
-    __device__ __forceinline__ half at(size_t col) const
-    {
-        if (!pending()) return y[col];
-        const float* p = ws + pt->ws_offset + col;
-        float sum = 0.f;
-        for (int s0 = 0; s0 < pt->n_splits; s0 += SUM_LOADS) {
-            float v[SUM_LOADS];
-#pragma unroll
-            for (int u = 0; u < SUM_LOADS; ++u)
-                v[u] = s0 + u < pt->n_splits ? __ldcg(p + (size_t)(s0 + u) * pt->np) : 0.f;
-#pragma unroll
-            for (int u = 0; u < SUM_LOADS; ++u) sum += v[u];
-        }
-        return __float2half_rn(sum + bias_at(pt->bias, (int)col));
-    }
-
-    // y[i .. i + 8) (i % 8 == 0; np and ws_offset are multiples of 32: the partials' rows are 32-byte aligned).
-    __device__ __forceinline__ uint4 load8(size_t i) const
-    {
-        if (!pending()) return *reinterpret_cast<const uint4*>(y + i);
-        const float* p = ws + pt->ws_offset + i;
-        float sum[8] = {};
-        for (int s0 = 0; s0 < pt->n_splits; s0 += SUM_LOADS) {
-            float4 v[SUM_LOADS][2];
-#pragma unroll
-            for (int u = 0; u < SUM_LOADS; ++u) {
-                const float4* row = reinterpret_cast<const float4*>(p + (size_t)(s0 + u) * pt->np);
-                const bool in = s0 + u < pt->n_splits;
-                v[u][0] = in ? __ldcg(row) : make_float4(0.f, 0.f, 0.f, 0.f);
-                v[u][1] = in ? __ldcg(row + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int u = 0; u < SUM_LOADS; ++u) {
-                const float* f = reinterpret_cast<const float*>(v[u]);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) sum[j] += f[j];
-            }
-        }
-        uint4 out;
-        half* h = reinterpret_cast<half*>(&out);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) h[j] = __float2half_rn(sum[j] + bias_at(pt->bias, (int)(i + j)));
-        return out;
-    }
-};
-
-// sums: a megakernel's stage whose x (and up) are the output parts 0 (and 1) of the matmul op before, left as
-// partials (Params `sums`, partials in ws): it sums them as it reads them and writes y there (x, up), so that
-// whatever reads y later finds it. Launch-per-op passes none.
 template <class Wait = PdlWait>
 __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const half* up, const half* residual,
                                          const half* norm_w, half* new_residual, float eps, half* xs, int bx,
-                                         int part, int m, int R, const Wait& wait = Wait(),
-                                         const Params* sums = nullptr, const float* ws = nullptr)
+                                         int part, int m, int R, const Wait& wait = Wait())
 {
     const int c = bx * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32, chunks = p.K / 32;
     const bool active = c < chunks;                    // (the grid's y is n_parts)
@@ -598,32 +529,13 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     stamps.at(1);
     const size_t row = (size_t)min(m, p.M - 1) * p.K;
     half in;
-    if (sums) {                                        // (one row: row 0)
-        const Partials xp{&sums->part[0], ws, x}, upp{up ? &sums->part[1] : nullptr, ws, up};
-        const bool writer = part == 0;
-        if (norm_w) {
-            in = stage_norm(xp, residual, w, new_residual, p.K, 0, src, eps, writer, bx);
-            const int e = bx * THREADS + threadIdx.x;
-            if (writer && xp.pending() && e < p.K) const_cast<half*>(x)[e] = xp.at(e);
-            if (!active) return;
-        } else {
-            in = xp.at(src);
-            if (writer && xp.pending()) const_cast<half*>(x)[src] = in;
-        }
-        if (up) {
-            const half u = upp.at(src);
-            if (writer && upp.pending()) const_cast<half*>(up)[src] = u;
-            in = silu_mul(in, u);
-        }
+    if (norm_w) {
+        in = stage_norm(x, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M, bx);
+        if (!active) return;
     } else {
-        if (norm_w) {
-            in = stage_norm(Written{x}, residual, w, new_residual, p.K, row, src, eps, part == 0 && m < p.M, bx);
-            if (!active) return;
-        } else {
-            in = x[row + src];
-        }
-        if (up) in = silu_mul(in, up[row + src]);
+        in = x[row + src];
     }
+    if (up) in = silu_mul(in, up[row + src]);
     const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
     xs[((size_t)part * R + m) * p.K + k] = v;
     float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set

@@ -102,54 +102,6 @@ def test_a_one_row_matmul_appends_its_stage_and_matmul():
     assert record[1]["strips_per_block"] == 7           # the plan's (threads / 32), not the CTA's 8 warps
 
 
-def layer_chain(split_o: bool = True):
-    """The ops of o, norm + gate/up, silu * up + down, the next block's norm + q/k/v as a model chains them (each
-    stage reading the matmul before's outputs), with fake Params and tensors."""
-    def t(n):
-        return torch.zeros(n, dtype=torch.float16)
-    params = [np.zeros((), [("a", np.int32)]) for _ in range(4)]
-    ws = [torch.zeros(64) for _ in range(4)]
-    attn, res, w, new, new2, xs = t(64), t(64), t(64), t(64), t(64), t(256)
-    o, gate, up, down, q, k, v = t(64), t(128), t(128), t(64), t(64), t(16), t(16)
-    return [mk.Op(mk.STAGE, 1, 0, params[0], dict(x=attn, xs=xs)),
-            mk.Op(mk.MATMUL, 4, 0, params[0], dict(xs=xs, ws=ws[0] if split_o else None, y0=o)),
-            mk.Op(mk.STAGE, 1, 0, params[1], dict(x=o, residual=res, norm_w=w, new_residual=new, xs=xs)),
-            mk.Op(mk.MATMUL, 4, 0, params[1], dict(xs=xs, ws=ws[1], y0=gate, y1=up)),
-            mk.Op(mk.STAGE, 1, 0, params[2], dict(x=gate, up=up, xs=xs)),
-            mk.Op(mk.MATMUL, 4, 0, params[2], dict(xs=xs, ws=ws[2], y0=down)),
-            mk.Op(mk.STAGE, 1, 0, params[3], dict(x=down, residual=new, norm_w=w, new_residual=new2, xs=xs)),
-            mk.Op(mk.MATMUL, 4, 0, params[3], dict(xs=xs, ws=ws[3], y0=q, y1=k, y2=v))]
-
-
-def test_the_stage_after_a_matmul_sums_its_partials_where_only_it_reads_them():
-    """o, gate/up and down leave their split partials to the stage after them (q/k/v, read by RoPE after the launch,
-    sums its own); the packed ops say so: the matmul's flag, the stage's Params slot of that matmul and its
-    partials' buffer."""
-    ops = layer_chain()
-    assert mk.summed_by_next(ops) == {1, 3, 5}
-    rec = mk.segment(ops, 8, torch.zeros(9, dtype=torch.int32))["op"]
-    assert [int(r["partials"]) for r in rec] == [-1, 1, 0, 1, 1, 1, 2, 0]
-    assert rec[2]["ws"] == ops[1].tensors["ws"].data_ptr() and rec[6]["ws"] == ops[5].tensors["ws"].data_ptr()
-    assert rec[0]["ws"] == 0
-    assert "op 1: matmul (leaves its split partials)" in mk.describe(ops, 8)
-    assert "op 2: stage x (sums op 1's partials)" in mk.describe(ops, 8)
-
-
-def test_a_matmul_sums_its_own_partials_where_another_op_reads_its_outputs():
-    ops = layer_chain(split_o=False)                    # o without split partials
-    assert mk.summed_by_next(ops) == {3, 5}
-    ops = layer_chain()
-    ops[6].tensors["residual"] = ops[3].tensors["y1"]   # up read again later, by the next block's norm
-    assert mk.summed_by_next(ops) == {1, 5}
-    ops = layer_chain()
-    ops[4].tensors["up"] = None                         # the stage reads gate only: up would never be summed
-    assert mk.summed_by_next(ops) == {1, 5}
-    ops = layer_chain()
-    ops[2].tensors["x"] = ops[1].tensors["y0"][8:]      # a view that is not all of o's output
-    assert mk.summed_by_next(ops) == {3, 5}
-    assert mk.summed_by_next(layer_chain()[:6]) == {1, 3}    # down is a launch's last op: it sums its own
-
-
 def test_a_segment_takes_the_smallest_kernel_that_holds_its_ops():
     assert [mk.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [2, 2, 4, 4, 8, 8, 12, 12]
     assert mk.kernel_name(8) == "decode_segment_exl2_8"
@@ -231,41 +183,6 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkey
         assert len(chain.segments) == 2 and all(len(ops) == 2 for ops, _ in chain.segments)
         assert torch.equal(chained_new, new)
         assert all(torch.equal(a, b) for a, b in zip(chained_normed + chained_gated, normed + gated))
-        assert done.count_nonzero() == 0
-
-
-@on_gpu
-def test_a_stage_that_sums_the_partials_before_it_gives_launch_per_ops_bits(monkeypatch):
-    """o -> norm + gate/up -> silu * up + down -> norm + q/k/v as one segment, K = 4128 and widths that split K (the
-    summed partials: summed_by_next), against the same calls launched: every output and the residual bit for bit,
-    and the o / gate / up / down outputs the stages wrote in place of the matmuls' own reduction."""
-    from exl_backends.formats import synthetic
-    monkeypatch.setenv("EXL_MEGAKERNEL", "1")
-    k, mix = 4128, "0.05:8b_32g/0.95:4b_128g"
-
-    def matmul(*ns, seed):
-        return qm.fuse([qm.prepare(synthetic.random_exl2(k, n, mix, seed=seed + i).to(torch.device("cuda")), None)
-                        for i, n in enumerate(ns)])
-    o, gate_up, down, qkv = matmul(k, seed=1), matmul(k, k, seed=2), matmul(k, seed=4), matmul(k, 520, 520, seed=5)
-    assert all(f.plans[1].params["part"][0]["n_splits"] > 1 for f in (o, gate_up, down))
-    gen = torch.Generator().manual_seed(0)
-    attn, residual = (torch.randn(1, k, generator=gen).half().cuda() for _ in range(2))
-    w = (torch.rand(k, generator=gen) + 0.5).half().cuda()
-
-    def layer():
-        y_o = o.forward(attn)[0]
-        (g, u), r = gate_up.forward_normed(y_o, residual, w, 1e-5)
-        y_d = down.forward(g, u)[0]
-        return [y_o, g, u, y_d, *qkv.forward_normed(y_d, r, w, 1e-5)[0]], r
-
-    want, want_r = layer()
-    done = mk.counters(1, torch.device("cuda"))
-    for _ in range(2):                                       # the counters reset themselves
-        with mk.chaining(done) as chain:
-            got, got_r = layer()
-        assert len(chain.segments) == 1 and mk.summed_by_next(chain.segments[0][0]) == {1, 3, 5}
-        assert torch.equal(got_r.view(torch.int16), want_r.view(torch.int16))
-        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
         assert done.count_nonzero() == 0
 
 
