@@ -16,6 +16,7 @@ index.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -168,7 +169,7 @@ def table(shape: str, blocks: list, per_block: list, nbytes: dict, want: dict, e
 
 TRACE_RECORDS = 1 << 17
 TRACE_DEFINE = f"QMM_TRACE={TRACE_RECORDS}"
-RECORD = np.dtype([("t", "<u8", 4), ("op", "<u4"), ("where", "<u4")])       # qmm_rows.cuh TraceRecord
+RECORD = np.dtype([("t", "<u8", 5), ("op", "<u4"), ("where", "<u4")])       # qmm_rows.cuh TraceRecord
 
 
 def trace_buffers(family: str):
@@ -213,16 +214,21 @@ def traced(run, flush, families: list[str], runs: int) -> list[np.ndarray]:
 
 def op_rows(records: np.ndarray, names: dict) -> list[tuple]:
     """Per op of one traced run, in the order they started: (name, start, first pass, last pass, median work,
-    last walk end, end), microseconds from the run's first stamp. Pass: a warp's wait over; work: from its pass
-    to its walk's end (stage_xs: its end)."""
+    last walk end, end, arrival, sum), microseconds from the run's first stamp. Pass: a warp's wait over; work:
+    from its pass to its walk's end (stage_xs: its end); arrival and sum (split matmuls, else nan): medians over
+    the warps that summed a strip of their walk's end to their arrival at its counter, and of that to their end."""
     t = (records["t"] - records["t"][:, 0].min()).astype(np.float64) / 1e3
+    summed = (records["where"] >> 15 & 1).astype(bool)
     rows = []
     for op in np.unique(records["op"]):
-        mine = t[records["op"] == op]
+        at = records["op"] == op
+        mine, last = t[at], t[at & summed]
         kind, parts, k = op & 1, op >> 1 & 7, (op >> 4) * 32
         name = ("matmul " if kind else "stage ") + names.get((int(parts), int(k)), f"{parts} parts K {k}")
+        arrival, total = (float(np.median(last[:, 4] - last[:, 2])), float(np.median(last[:, 3] - last[:, 4]))) \
+            if len(last) else (math.nan, math.nan)
         rows.append((name, mine[:, 0].min(), mine[:, 1].min(), mine[:, 1].max(),
-                     float(np.median(mine[:, 2] - mine[:, 1])), mine[:, 2].max(), mine[:, 3].max()))
+                     float(np.median(mine[:, 2] - mine[:, 1])), mine[:, 2].max(), mine[:, 3].max(), arrival, total))
     return sorted(rows, key=lambda r: r[2])
 
 
@@ -263,10 +269,10 @@ def trace_shape(shape: str, runs: int = 20) -> None:
         per_run = [op_rows(r, names) for r in traced(once, flush, families, runs)]
         print(f"\n{shape} {path}, us from the block's first stamp, medians of {runs} runs")
         print(f"{'op':16s} {'start':>7s} {'pass first':>10s} {'last':>7s} {'work':>7s} {'walked':>7s} {'end':>7s} "
-              f"{'gap':>6s}")
+              f"{'arrive':>7s} {'sum':>7s} {'gap':>6s}")
         previous_end = None
         for i, name in enumerate(r[0] for r in per_run[0]):
-            cols = [statistics.median(rows[i][j] for rows in per_run) for j in range(1, 7)]
+            cols = [statistics.median(rows[i][j] for rows in per_run) for j in range(1, 9)]
             gap = "" if previous_end is None else f"{cols[1] - previous_end:6.2f}"
             print(f"{name:16s} " + " ".join(f"{c:7.2f}" if j != 1 else f"{c:10.2f}" for j, c in enumerate(cols))
                   + f" {gap}")

@@ -30,7 +30,8 @@
 // TRACE (a probe; QMM_TRACE=n, 0 by default, and then Stamps compiles to nothing): lane 0 of each working warp of a
 //   stage_xs or one-row-class matmul block stamps %globaltimer (ns, one clock for all SMs) at its start, when its
 //   wait is over (the kernel or op before is done), when its walk over the weights ends, and at its end (partials
-//   written; for a strip's last warp, the reduction), then appends them as one TraceRecord to qmm_trace[0 .. n)
+//   written; for a strip's last warp, the reduction), a split's warps also after their arrival at the strip's
+//   counter (the last to arrive flagged: it sums), then appends them as one TraceRecord to qmm_trace[0 .. n)
 //   (qmm_trace_n counts, past n too). The stamps wait in shared memory, so the kernels' registers are as without.
 //   benchmarks/bench_segment.py --trace reads them back and says where each op's time goes.
 #ifndef QMM_TRACE
@@ -38,9 +39,10 @@
 #endif
 
 struct TraceRecord {
-    unsigned long long t[4];     // start, wait over, walk over, end (stage_xs: the last two are its end)
+    unsigned long long t[5];     // start, wait over, walk over, end (stage_xs: the last two are its end), arrived
+                                 // (split warps; else 0)
     unsigned op;                 // kind (0 stage_xs, 1 matmul) | n_parts << 1 | K / 32 << 4
-    unsigned where;              // SM << 16 | warp << 12 | block % 4096
+    unsigned where;              // SM << 16 | summed << 15 | warp << 12 | block % 4096
 };
 
 #if QMM_TRACE
@@ -58,7 +60,7 @@ struct Stamps {
 #if QMM_TRACE
     __device__ __forceinline__ static unsigned long long* slot()
     {
-        __shared__ unsigned long long stamps_s[32][4];
+        __shared__ unsigned long long stamps_s[32][6];        // the 5 stamps, whether the warp summed
         return stamps_s[threadIdx.x / 32];
     }
     __device__ __forceinline__ void at(int i) const
@@ -66,6 +68,15 @@ struct Stamps {
         unsigned long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
         if (threadIdx.x % 32 == 0) slot()[i] = t;
+    }
+    __device__ __forceinline__ void start() const
+    {
+        at(0);
+        if (threadIdx.x % 32 == 0) slot()[4] = slot()[5] = 0;
+    }
+    __device__ __forceinline__ void summed() const
+    {
+        if (threadIdx.x % 32 == 0) slot()[5] = 1;
     }
     __device__ __forceinline__ void emit(int kind, int n_parts, int K, int block) const
     {
@@ -75,12 +86,14 @@ struct Stamps {
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
         TraceRecord& r = qmm_trace[i];
-        for (int k = 0; k < 4; ++k) r.t[k] = slot()[k];
+        for (int k = 0; k < 5; ++k) r.t[k] = slot()[k];
         r.op = kind | n_parts << 1 | K / 32 << 4;
-        r.where = sm << 16 | threadIdx.x / 32 << 12 | block % 4096;
+        r.where = sm << 16 | (unsigned)slot()[5] << 15 | threadIdx.x / 32 << 12 | block % 4096;
     }
 #else
     __device__ __forceinline__ void at(int) const {}
+    __device__ __forceinline__ void start() const {}
+    __device__ __forceinline__ void summed() const {}
     __device__ __forceinline__ void emit(int, int, int, int) const {}
 #endif
 };
@@ -373,7 +386,7 @@ __device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int s
 // warp to arrive reduces them.
 template <int N8, bool M1>
 __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
-                                       half* y, float* ws, int ws_rows, int* counters)
+                                       half* y, float* ws, int ws_rows, int* counters, const Stamps& stamps = {})
 {
     const int lane = threadIdx.x % 32;
     const int N = pt.n, Np = pt.np;
@@ -389,7 +402,9 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
     int done = 0;
     if (lane == 0) done = arrive(counters + strip);
     done = __shfl_sync(FULL_MASK, done, 0);
+    stamps.at(4);
     if (done != pt.n_splits - 1) return;
+    stamps.summed();
     __syncwarp();                                // the last warp of the strip: every other split's partial is in
     if constexpr (M1)
         reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
@@ -461,7 +476,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     const int split = local / pt.col_blocks, strip = local % pt.col_blocks * strips_per_block + warp;
     const bool mine = warp < strips_per_block && strip < pt.strips;
     const Stamps stamps;
-    stamps.at(0);
+    stamps.start();
     Stream st;
     if (mine) {
         start_stream(st, pt, strip, split, lane);
@@ -480,7 +495,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     stamps.at(2);
-    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters);
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps);
     stamps.at(3);
     stamps.emit(1, p.n_parts, p.K, local);
 }
@@ -520,7 +535,7 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     const bool active = c < chunks;                    // (the grid's y is n_parts)
     if (!active && !norm_w) return;                    // (with a norm, every thread takes part in its barrier)
     const Stamps stamps;
-    stamps.at(0);
+    stamps.start();
     const Part& pt = p.part[part];
     const int k = 32 * c + lane, b = active ? width_at(pt, c) : 0;
     const int src = !active ? 0 : pt.perm ? __ldg(pt.perm + k) : k;
