@@ -18,6 +18,7 @@ the weight is dequantized to an fp16 scratch (bit-exact with the reference) and 
 chosen per call from the number of rows alone."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -169,12 +170,18 @@ def lane_words(codes: Tensor, bits: int) -> Tensor:
     shift = bits * torch.arange(per_word, device=codes.device)[:, None] + torch.arange(0, 32, 16, device=codes.device)
     words = (x[:, :, :, :direct].reshape(s, c, 32, bits, per_word, 2).long() << shift).sum((4, 5))
     if direct < 16:                           # spare code bits: bit k of pair p to PAIR_BITS[bits][p][k]
-        pos = torch.tensor(PAIR_BITS[bits][direct:], dtype=torch.int64, device=codes.device)     # [spare, bits]
+        pos = _spare_bits(bits, direct, codes.device)                                            # [spare, bits]
         bit = x[:, :, :, direct:, :, None].long() >> torch.arange(bits, device=codes.device) & 1  # [.., spare, e, bits]
         spread = (bit[..., 0, :] | bit[..., 1, :] << 16) << pos % 32
         words.index_add_(3, (pos // 32).reshape(-1), spread.reshape(s, c, 32, -1))
     planes = torch.split(_int32(words), plane_words(bits), dim=3)        # each [S, C, 32, w]
     return torch.cat([p.reshape(s, c, -1) for p in planes], dim=2).reshape(s, -1)
+
+
+@functools.cache
+def _spare_bits(bits: int, direct: int, device: torch.device) -> Tensor:
+    """PAIR_BITS[bits][direct:] on the device, made once (a copy from host memory waits for the device's queue)."""
+    return torch.tensor(PAIR_BITS[bits][direct:], dtype=torch.int64, device=device)
 
 
 def lane_order(values: Tensor) -> Tensor:
@@ -241,14 +248,27 @@ def _identity_or(perm: Tensor) -> Tensor | None:
     return None if torch.equal(perm.cpu(), torch.arange(perm.numel(), dtype=torch.int32)) else perm.contiguous()
 
 
+def _moved(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """t on the device; from host memory through pinned memory without waiting for the device's queue (a copy from
+    pageable memory waits for everything queued before it)."""
+    if t is None or t.device == device:
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 def _strip_major(meta: Tensor) -> Tensor:
     """[G, strips, ...] -> [strips, G, ...]: a strip's group records contiguous."""
     return meta.transpose(0, 1).contiguous()
 
 
-def exl2_layout(w: Exl2Weight) -> LaneLayout:
-    """EXL2 tensors -> lane layout. Groups must be whole chunks (the converter only writes 32/64/128-row groups)."""
-    k, device = w.in_features, w.q_weight.device
+def exl2_layout(w: Exl2Weight, device: torch.device | None = None) -> LaneLayout:
+    """EXL2 tensors -> lane layout on `device` (default: the weight's). Groups must be whole chunks (the converter
+    only writes 32/64/128-row groups). The small tables (groups, permutation, scale codes, chunk records) are made
+    where the weight is, the CPU when a model loads, and only the codes are unpacked on the device: each read of a
+    device tensor from the host waits for the device's whole queue, and with the tables made there every layer's
+    repack waited for the one before."""
+    k = w.in_features
+    device = w.q_weight.device if device is None else device
     np_ = w.q_weight.shape[1]
     groups = reference.exl2_groups(w.q_groups.cpu(), k)
     if any(rows % CHUNK for _, _, rows in groups):
@@ -260,6 +280,7 @@ def exl2_layout(w: Exl2Weight) -> LaneLayout:
     if any(a < b for a, b in zip(chunk_bits, chunk_bits[1:])):
         raise UnsupportedFormatError(f"EXL2 layer [{k} -> {w.out_features}]: q_groups widths are not in "
                                      f"non-increasing order; the checkpoint is corrupt")
+    q_weight = w.q_weight.to(device)
     parts = []
     for width in WIDTHS:                      # one run per width, a continuous bit stream in q_weight
         run = [(qrow, rows) for b, qrow, rows in groups if b == width]
@@ -269,15 +290,15 @@ def exl2_layout(w: Exl2Weight) -> LaneLayout:
         step = _slab_rows(np_)
         for r in range(0, rows, step):
             n_rows = min(step, rows - r)
-            words = w.q_weight[qrow0 + r * width // 32: qrow0 + (r + n_rows) * width // 32]
+            words = q_weight[qrow0 + r * width // 32: qrow0 + (r + n_rows) * width // 32]
             parts.append(lane_words(unpack_codes(words, width, n_rows), width))
     base = (w.q_scale_max.float() * 2.0**-8).half().view(torch.int16).to(torch.int64) & 0xFFFF   # fp16 bits of m
-    group = torch.tensor(chunk_group, dtype=torch.int64, device=device)
+    group = torch.tensor(chunk_group, dtype=torch.int64, device=base.device)
     chunk_meta = torch.stack((group, _int32((base | base << 16)[group]).long()), dim=1)
     return LaneLayout(Format.EXL2, k, w.out_features, np_, torch.cat(parts, dim=1).reshape(-1), chunk_bits,
-                      chunk_group, chunk_meta.to(torch.int32).contiguous(),
-                      _strip_major(exl2_scale_codes(w.q_scale)), None,
-                      _identity_or(torch.argsort(w.q_invperm.long())))
+                      chunk_group, _moved(chunk_meta.to(torch.int32).contiguous(), device),
+                      _moved(_strip_major(exl2_scale_codes(w.q_scale)), device), None,
+                      _moved(_identity_or(torch.argsort(w.q_invperm.long())), device))
 
 
 def gptq_layout(w: GptqWeight) -> LaneLayout:
@@ -642,17 +663,19 @@ class QuantMatmul:
         return self._dequant(i)[:, :self.layouts[i].n].T.contiguous()
 
 
-def layout_for(weight: Exl2Weight | GptqWeight) -> LaneLayout:
+def layout_for(weight: Exl2Weight | GptqWeight, device: torch.device | None = None) -> LaneLayout:
+    """The weight's lane layout on `device` (default: the weight's own)."""
     if isinstance(weight, Exl2Weight):
-        return exl2_layout(weight)
+        return exl2_layout(weight, device)
     if isinstance(weight, GptqWeight):
-        return gptq_layout(weight)
+        return gptq_layout(weight if device is None else weight.to(device))
     raise TypeError(f"no CUDA quantized matmul for {type(weight).__name__}")
 
 
-def prepare(weight: Exl2Weight | GptqWeight, bias: Tensor | None) -> QuantMatmul:
-    """Called once when a layer is placed on the GPU: repack, plan, and return the forward f(x) -> y."""
-    return QuantMatmul([layout_for(weight)], [bias])
+def prepare(weight: Exl2Weight | GptqWeight, bias: Tensor | None, device: torch.device | None = None) -> QuantMatmul:
+    """Called once when a layer is placed on the GPU (`device`; default: where the weight is): repack, plan, and
+    return the forward f(x) -> y."""
+    return QuantMatmul([layout_for(weight, device)], [bias])
 
 
 def fuse(kernels: list[QuantMatmul]) -> QuantMatmul | None:

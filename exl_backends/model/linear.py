@@ -48,14 +48,16 @@ class QuantLinear:
     """A linear layer with a packed weight; computes in the activations' dtype. On CUDA the weight is repacked
     once for the kernels (quant_matmul.prepare) and the packed original is not kept, so it costs memory once."""
 
-    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None):
+    def __init__(self, weight: QuantizedWeight, bias: Tensor | None = None, device: torch.device | None = None):
+        """device: where the layer runs (default: the weight's device); a CUDA device repacks the weight there."""
         self.bias = bias
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._dense: Tensor | None = None       # CPU path: the dequantized weight, kept once made ...
         self.keep_dense = True                  # ... unless memory is short (keep_dense_weights)
-        if weight.device.type == "cuda":
+        device = weight.device if device is None else torch.device(device)
+        if device.type == "cuda":
             from ..kernels import quant_matmul    # importing it compiles nothing
-            self.weight, self.kernel = None, quant_matmul.prepare(weight, bias)
+            self.weight, self.kernel = None, quant_matmul.prepare(weight, bias, device)
             self._forward = self.kernel
         else:
             self.weight, self.kernel = weight, None
@@ -83,6 +85,8 @@ class QuantLinear:
         if self.weight is None:
             raise ValueError("a QuantLinear already placed on the GPU cannot move; load the model again")
         bias = None if self.bias is None else self.bias.to(device, dtype)
+        if torch.device(device).type == "cuda":             # repacked from where the weight is (exl2_layout)
+            return QuantLinear(self.weight, bias, device)
         return QuantLinear(self.weight.to(device), bias)
 
     def dense_weight(self) -> Tensor:

@@ -115,6 +115,22 @@ def test_exl2_lane_layout_reads_back_the_reference_weight(mix, k, n):
     assert torch.equal(lane_dequant(qm.exl2_layout(w)), w.dequantize())
 
 
+def test_an_exl2_layout_for_another_device_reads_nothing_back_from_it():
+    """A model's layers are repacked from their CPU tensors for the GPU (QuantLinear.to): the tables are made on the
+    CPU and only the codes unpacked on the device, so the host never waits for the device's queue. On the meta
+    device any read back (.cpu(), .tolist()) or mix of devices raises; the layout is the CPU one's shape for shape."""
+    from exl_backends.model.linear import QuantLinear
+    w = synthetic.random_exl2(4128, 517, "0.05:8b_32g/0.1:6b_32g/0.1:5b_64g/0.45:4b_128g/0.2:3b_64g/0.1:2b_64g", seed=5)
+    cpu, meta = qm.exl2_layout(w), qm.exl2_layout(w, torch.device("meta"))
+    for name in ("words", "chunk_meta", "meta0", "perm"):
+        a, b = getattr(cpu, name), getattr(meta, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert b.device.type == "meta" and (b.shape, b.dtype) == (a.shape, a.dtype), name
+    assert (meta.chunk_bits, meta.chunk_group) == (cpu.chunk_bits, cpu.chunk_group)
+    assert QuantLinear(w, None, "cpu").kernel is None          # the CPU path keeps the packed weight
+
+
 def test_exl2_lane_layout_of_a_real_exllamav2_checkpoint():
     store = TensorStore(EXL2_FIXTURE)
     for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "model.layers.1.self_attn.q_proj": (256, 256),
