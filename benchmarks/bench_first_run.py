@@ -278,9 +278,10 @@ for key, n in (("cumulative", 70), ("tottime", 35)):
 """
 
 
-# The warm load's parts, one after another in one process (page cache warm), each synchronised: reading the
-# linears' tensors into memory, copying them to the GPU, repacking and planning them there (quant_matmul.prepare),
-# then the whole from_pretrained and its first token as the benchmark times them.
+# The warm load's parts, one after another in one process (page cache warm), each synchronised: the tokenizer (with
+# transformers' import), the CUDA context, reading the linears' tensors into memory, copying them to the GPU and
+# repacking and planning them there (quant_matmul.prepare, as QuantLinear.to), then the whole from_pretrained and
+# its first token as the benchmark times them (its tokenizer and context then already there).
 _LOAD_PHASES = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -291,22 +292,25 @@ from exl_backends.kernels import quant_matmul
 from exl_backends.model.config import ModelConfig
 from exl_backends.model.model import linears
 phases = {"imports": time.perf_counter() - t0}
-config, ckpt = ModelConfig.from_dir(sys.argv[1]), formats.open_checkpoint(sys.argv[1])
+t = time.perf_counter()
+from pathlib import Path
+from exl_backends.model.loading import load_tokenizer
+load_tokenizer(Path(sys.argv[1]))
+phases["tokenizer (transformers imported)"] = time.perf_counter() - t
+t = time.perf_counter()
 torch.zeros(1, device="cuda")
-for part in ("read", "to GPU", "repack + plan"):
+phases["CUDA context"] = time.perf_counter() - t
+config, ckpt = ModelConfig.from_dir(sys.argv[1]), formats.open_checkpoint(sys.argv[1])
+for part in ("read", "to GPU + repack + plan"):
     phases[part] = 0.0
 for key, k, n, _ in linears(config, ckpt.store):
     t = time.perf_counter()
     w = exl2.load(ckpt.store, key, k, n)
     phases["read"] += time.perf_counter() - t
     t = time.perf_counter()
-    w = w.to(torch.device("cuda"))
+    quant_matmul.prepare(w, None, torch.device("cuda"))            # as QuantLinear.to places a layer
     torch.cuda.synchronize()
-    phases["to GPU"] += time.perf_counter() - t
-    t = time.perf_counter()
-    quant_matmul.prepare(w, None)
-    torch.cuda.synchronize()
-    phases["repack + plan"] += time.perf_counter() - t
+    phases["to GPU + repack + plan"] += time.perf_counter() - t
 t = time.perf_counter()
 model = ExlForCausalLM.from_pretrained(sys.argv[1], device="cuda", max_seq_len=2048)
 phases["from_pretrained"] = time.perf_counter() - t
