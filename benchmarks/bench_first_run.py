@@ -255,7 +255,7 @@ def load_parts(args, results: Results) -> None:
             phases = load_phases(str(model_dir), kernels, env["HOME"])
             results.add(f"{args.shape} warm load by part (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()),
                         what="warm load by part", shape=args.shape,
-                        **{re.sub(r"\W+", "_", k) + "_s": v for k, v in phases.items()})
+                        **{re.sub(r"\W+", "_", k).strip("_") + "_s": v for k, v in phases.items()})
     if not args.keep:
         shutil.rmtree(model_dir, ignore_errors=True)
 
