@@ -54,6 +54,25 @@ def block_weights(shape: str, gen: torch.Generator) -> dict:
             "down": w(inter, d)}
 
 
+def block_copies(shape: str) -> list[dict]:
+    """Enough copies of one block's weights that a pass over them all comes from DRAM, not L2."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    first = block_weights(shape, gen)
+    copies = copies_for(sum(f.nbytes() for f in first.values()))
+    return [first] + [block_weights(shape, gen) for _ in range(copies - 1)]
+
+
+def block_inputs(shape: str) -> dict:
+    """One row of each input calls_of reads: x, residual, norm weight, attention output, gate and up."""
+    s = SHAPES[shape]
+    d, inter = s["hidden_size"], s["intermediate_size"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inputs = {name: torch.randn(1, n, device="cuda", generator=g).half()
+              for name, n in (("h", d), ("res", d), ("attn", d), ("gate", inter), ("up", inter))}
+    inputs["norm_w"] = (1 + 0.05 * torch.randn(d, device="cuda", generator=g)).half()
+    return inputs
+
+
 def calls_of(block: dict, inputs: dict) -> dict:
     """Each matmul as launch-per-op runs it (its staging included), on inputs of its own; and "block": the four
     as a layer runs them, each reading the one before's outputs (o, norm + gate/up, silu * up + down, the next
@@ -120,19 +139,9 @@ def report_sm_map() -> None:
 
 
 def bench_shape(shape: str, eager: bool, defines: list[str]) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    first = block_weights(shape, gen)
-    nbytes = {name: f.nbytes() for name, f in first.items()}
-    blocks = [first] + [block_weights(shape, gen) for _ in range(copies_for(sum(nbytes.values())) - 1)]
-    s = SHAPES[shape]
-    d, inter = s["hidden_size"], s["intermediate_size"]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    inputs = {"h": torch.randn(1, d, device="cuda", generator=g).half(),
-              "res": torch.randn(1, d, device="cuda", generator=g).half(),
-              "norm_w": (1 + 0.05 * torch.randn(d, device="cuda", generator=g)).half(),
-              "attn": torch.randn(1, d, device="cuda", generator=g).half(),
-              "gate": torch.randn(1, inter, device="cuda", generator=g).half(),
-              "up": torch.randn(1, inter, device="cuda", generator=g).half()}
+    blocks = block_copies(shape)
+    nbytes = {name: f.nbytes() for name, f in blocks[0].items()}
+    inputs = block_inputs(shape)
     per_block = [calls_of(b, inputs) for b in blocks]
     use_define("", FAMILIES)
     want = {name: f() for name, f in per_block[0].items()}      # launch-per-op's outputs as built
@@ -235,22 +244,14 @@ def op_rows(records: np.ndarray, names: dict) -> list[tuple]:
 def trace_shape(shape: str, runs: int = 20) -> None:
     """Where each op's time goes in one block (launch-per-op's 8 launches, then the same ops as one segment): per op,
     medians over runs of its first warp's start, its warps' passes through the wait (first .. last), a warp's work
-    after its pass, the last walk's end and the op's end; and the gap from the op before's end to this op's first
-    pass (the dependency's latency). Kernels compiled with TRACE_DEFINE (the block's time under it is printed beside
-    the default build's, so the probe's own cost shows)."""
+    after its pass, the last walk's end and the op's end, for split matmuls the summing warp's arrival and sum; and
+    the gap from the op before's end to this op's first pass (the dependency's latency). Kernels compiled with
+    TRACE_DEFINE (the block's time under it is printed beside the default build's, so the probe's own cost shows)."""
     s = SHAPES[shape]
     d, hd = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
     names = {(3, d): "qkv", (1, s["num_attention_heads"] * hd): "o", (2, d): "gate_up",
              (1, s["intermediate_size"]): "down"}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    first = block_weights(shape, gen)
-    blocks = [first] + [block_weights(shape, gen) for _ in range(copies_for(sum(f.nbytes() for f in first.values()))
-                                                                 - 1)]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    inter = s["intermediate_size"]
-    inputs = {name: torch.randn(1, n, device="cuda", generator=g).half()
-              for name, n in (("h", d), ("res", d), ("attn", d), ("gate", inter), ("up", inter))}
-    inputs["norm_w"] = (1 + 0.05 * torch.randn(d, device="cuda", generator=g)).half()
+    blocks, inputs = block_copies(shape), block_inputs(shape)
     layers = [calls_of(b, inputs)["block"] for b in blocks]
     done = mk.counters(len(blocks), torch.device("cuda"))
     segments = [chained([layer], done[j * (mk.MAX_OPS + 1):]) for j, layer in enumerate(layers)]
