@@ -22,10 +22,13 @@ PROBE = r"""
 #include <stddef.h>
 #include <cuda.h>
 int main(void) {
-    printf("%zu %zu %zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, blockDimX),
-           offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream),
-           offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute),
-           offsetof(CUlaunchAttribute, value), (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+    printf("%zu %zu %zu %zu %zu %zu %zu %zu %d %zu %zu %zu %d %d\n", sizeof(CUlaunchConfig),
+           offsetof(CUlaunchConfig, blockDimX), offsetof(CUlaunchConfig, sharedMemBytes),
+           offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),
+           sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),
+           (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, offsetof(CUlaunchAttribute, value.clusterDim.x),
+           offsetof(CUlaunchAttribute, value.clusterDim.y), offsetof(CUlaunchAttribute, value.clusterDim.z),
+           (int)CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (int)CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED);
     return 0;
 }
 """
@@ -41,7 +44,8 @@ def test_launch_structs_match_cuda_h(tmp_path):
     assert all(driver.CONFIG.startswith(p) for p in prefixes)
     A = driver.LaunchAttribute
     ours = [driver.CONFIG_BYTES, *map(struct.calcsize, prefixes), ctypes.sizeof(A), A.value.offset,
-            driver.PROGRAMMATIC_STREAM_SERIALIZATION]
+            driver.PROGRAMMATIC_STREAM_SERIALIZATION, A.value.offset, A.value_y.offset, A.value_z.offset,
+            driver.CLUSTER_DIMENSION, driver.NON_PORTABLE_CLUSTER_SIZE_ALLOWED]
     assert [int(v) for v in out] == ours
 
 
@@ -61,6 +65,15 @@ def test_parameters_hold_each_argument_as_its_exact_c_type():
     assert pointers[8] == by_value.ctypes.data
     head = struct.unpack_from(driver.CONFIG, config)
     assert head == (5, 3, 1, 128, 1, 1, 1024, 77, ctypes.addressof(driver._SERIALIZE), 1)
+    config, _ = driver.pack((8,), (256,), 0, 77, True, (3,), cluster=4)     # a cluster's size: a second attribute
+    *_, attrs, n_attrs = struct.unpack_from(driver.CONFIG, config)
+    pdl, cluster = (driver.LaunchAttribute * 2).from_address(attrs)
+    assert n_attrs == 2 and (pdl.id, pdl.value) == (driver.PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert (cluster.id, cluster.value, cluster.value_y, cluster.value_z) == (driver.CLUSTER_DIMENSION, 4, 1, 1)
+    config, _ = driver.pack((8,), (256,), 0, 0, False, (3,), cluster=2)
+    *_, attrs, n_attrs = struct.unpack_from(driver.CONFIG, config)
+    assert n_attrs == 1 and driver.LaunchAttribute.from_address(attrs).id == driver.CLUSTER_DIMENSION
+    assert struct.unpack_from(driver.CONFIG, driver.pack((8,), (256,), 0, 0, False, (3,))[0])[-2:] == (0, 0)
     with pytest.raises(TypeError, match="argument 0 is a str"):
         driver.pack((1,), (1,), 0, 0, False, ("x",))
     with pytest.raises(struct.error):

@@ -3,7 +3,8 @@
 Two reasons not to launch through CuPy: a launch's host time (CuPy converts each argument to a numpy scalar, then
 to a C value; here all of a launch's values are packed in one struct.pack: 8 us for 22 arguments instead of 53 on
 the dev box, and an eager 8B forward makes ~400 launches), and launch attributes, which cuLaunchKernel does not
-take. The one attribute used is programmatic dependent launch (sm_90+): a kernel launched with it may start while
+take. The attributes used are a thread-block cluster's size (sm_90+, qmm_rows.cuh CLUSTER SUMS) and programmatic
+dependent launch (sm_90+): a kernel launched with it may start while
 the kernel before it on the stream is still running, up to its `griddepcontrol.wait` (exl::pdl_wait in
 common.cuh). Our kernels trigger their dependents at once and wait before touching anything an earlier kernel
 wrote, so the next kernel's launch, block scheduling and weight prefetches overlap the tail of the one before; in
@@ -19,13 +20,15 @@ import torch
 
 from ..errors import DeviceError
 
+CLUSTER_DIMENSION = 4                      # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (cuda.h)
 PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
 
 class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (here its int member)."""
+    """CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (here its int member, or the
+    cluster's x, y, z)."""
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_pad", ctypes.c_char * 60)]
+                ("value_y", ctypes.c_int), ("value_z", ctypes.c_int), ("value_pad", ctypes.c_char * 52)]
 
 
 # CUlaunchConfig (cuda.h): gridDimX/Y/Z, blockDimX/Y/Z, sharedMemBytes, (padding), hStream, attrs, numAttrs,
@@ -36,6 +39,14 @@ CONFIG_BYTES = struct.calcsize(CONFIG)
 
 
 _SERIALIZE = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)      # read-only
+
+
+@functools.cache
+def _attributes(programmatic: bool, cluster: int) -> ctypes.Array:
+    """A launch's attribute array (read-only; the cache keeps it alive for the process)."""
+    attrs = ([_SERIALIZE] if programmatic else []) + \
+        ([LaunchAttribute(id=CLUSTER_DIMENSION, value=cluster, value_y=1, value_z=1)] if cluster > 1 else [])
+    return (LaunchAttribute * len(attrs))(*attrs)
 
 
 @functools.cache
@@ -90,7 +101,7 @@ def _signature(types: tuple[type, ...]) -> tuple[struct.Struct, tuple[int, ...]]
 
 
 def pack(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_ptr: int, programmatic: bool,
-         args: tuple) -> tuple[ctypes.Array, int]:
+         args: tuple, cluster: int = 1) -> tuple[ctypes.Array, int]:
     """The launch config and cuLaunchKernelEx's kernelParams in one buffer: a pointer per argument to its value
     (Python ints are int32, floats float32, bools int32, tensors device pointers, None a null pointer, numpy
     scalars their own type), each value in an 8-byte slot; a struct passed by value (a 0-d numpy structured array)
@@ -105,9 +116,24 @@ def pack(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_
     pointers = [a.ctypes.data if k is STRUCT else slots + 8 * i for i, (a, k) in enumerate(zip(args, kinds))] \
         if STRUCT in kinds else range(slots, slots + 8 * n, 8)
     g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-    attrs = ctypes.addressof(_SERIALIZE) if programmatic else 0
-    packer.pack_into(buffer, 0, *g, *b, shared_mem, stream_ptr, attrs, int(programmatic), *values, *pointers)
+    if cluster == 1:
+        attrs, n_attrs = (ctypes.addressof(_SERIALIZE), 1) if programmatic else (0, 0)
+    else:
+        array = _attributes(programmatic, cluster)
+        attrs, n_attrs = ctypes.addressof(array), len(array)
+    packer.pack_into(buffer, 0, *g, *b, shared_mem, stream_ptr, attrs, n_attrs, *values, *pointers)
     return buffer, slots + 8 * n
+
+
+PORTABLE_CLUSTER = 8                       # blocks a cluster may have without the attribute below
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14     # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h)
+
+
+def allow_large_clusters(function_ptr: int) -> None:
+    """Lets a kernel launch in clusters of more than PORTABLE_CLUSTER blocks (16 on Hopper)."""
+    lib = driver()
+    _check(lib, lib.cuFuncSetAttribute(function_ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1), "cuFuncSetAttribute",
+           " (clusters of more than 8 blocks)")
 
 
 def resident_blocks(function_ptr: int, threads: int, shared_mem: int) -> int:
@@ -126,10 +152,10 @@ def _check(lib, status: int, call: str, hint: str = "") -> None:
 
 
 def launch(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
-           stream_ptr: int, programmatic: bool) -> None:
+           stream_ptr: int, programmatic: bool, cluster: int = 1) -> None:
     """Launches a compiled kernel (CUfunction `function_ptr`) on a stream (0: the legacy default stream), with
-    programmatic stream serialization when `programmatic`."""
-    config, params = pack(grid, block, shared_mem, stream_ptr, programmatic, args)   # alive until the call returns
+    programmatic stream serialization when `programmatic`, in clusters of `cluster` blocks when more than one."""
+    config, params = pack(grid, block, shared_mem, stream_ptr, programmatic, args, cluster)   # alive until it returns
     lib = driver()
     hint = "; set EXL_PDL=0 to launch without programmatic dependent launch" if programmatic else ""
     _check(lib, lib.cuLaunchKernelEx(ctypes.addressof(config), function_ptr, params, None), "cuLaunchKernelEx", hint)

@@ -98,19 +98,27 @@ def _pdl_works(cc: tuple[int, int]) -> bool:
 
 
 def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-           shared_mem: int = 0) -> None:
+           shared_mem: int = 0, cluster: int = 1) -> None:
     """Launches `kernel` of `<family>.cu` on torch's current stream (driver.py). Tensors become device pointers,
     Python ints int32, floats float32, None a null pointer; pass numpy scalars for any other C type and a 0-d
     numpy structured array for a struct passed by value. On sm_90+ the families in PDL_FAMILIES launch with
-    programmatic dependent launch, except on the legacy default stream."""
+    programmatic dependent launch, except on the legacy default stream. cluster: blocks per thread-block cluster
+    (sm_90+; grid[0] a multiple of it)."""
     device = torch.cuda.current_device()
     cc = _capability(device)
     fn, fn_ptr = _function(family, kernel, device)
     if shared_mem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = shared_mem
+    if cluster > driver.PORTABLE_CLUSTER:
+        _allow_large_clusters(fn_ptr)
     stream_ptr = torch._C._cuda_getCurrentRawStream(device)    # torch.cuda.current_stream() costs ~10 us more
     driver.launch(fn_ptr, grid, block, args, shared_mem, stream_ptr,
-                  programmatic=bool(stream_ptr) and _use_pdl(family, cc))
+                  programmatic=bool(stream_ptr) and _use_pdl(family, cc), cluster=cluster)
+
+
+@functools.cache
+def _allow_large_clusters(fn_ptr: int) -> None:
+    driver.allow_large_clusters(fn_ptr)
 
 
 def resident_blocks(family: str, kernel: str, threads: int, shared_mem: int) -> int:

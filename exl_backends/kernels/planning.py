@@ -124,6 +124,23 @@ def choose_splits(layouts: list, rows: int, n_sm: int, per_sm: int, smem_rows: i
                                      f"tile; the kernels take at most {MAX_SPLITS}")
     return best[1]
 
+# qmm_rows.cuh CLUSTER SUMS: a one-row launch whose parts all split K the same C ways, C one of CLUSTER_SIZES, runs
+# in clusters of C blocks on compute capability 9.0+ and sums its splits through distributed shared memory instead
+# of a counter and a workspace in device memory. Sizes that divide 16: a GPC of the H100 (16-18 SMs, 2 blocks each)
+# then holds whole clusters with few slots left over (the 1B and 8B shapes' o and down split 16 ways, their gate/up
+# 4 and 2, their q/k/v 11: not clustered). Above 8 blocks a cluster is "non-portable" (the loader allows it).
+CLUSTER_SIZES = (2, 4, 8, 16)
+CLUSTER_CC = (9, 0)
+
+
+def cluster_size(splits: list[int], rows: int, cc: tuple[int, int]) -> int:
+    """Blocks per cluster of a small-M launch with these splits per part (1: no cluster)."""
+    c = splits[0]
+    if rows != 1 or cc < CLUSTER_CC or c not in CLUSTER_SIZES or any(n != c for n in splits):
+        return 1
+    return c
+
+
 def rows_class(rows: int) -> int:
     """The small-M kernel for `rows` rows of x (1, 8 or 16), i.e. the rows stage_xs stages for it."""
     return 1 if rows == 1 else 8 if rows <= 8 else 16

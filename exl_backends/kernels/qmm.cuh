@@ -153,6 +153,7 @@ struct Stream {
 // EXL2: zero point 2^(B-1); per-column scale fp16((c+1)^2 * m) from a 4-bit code c and the group's base m.
 struct Exl2 {
     static constexpr int REC0 = 16, REC1 = 0;    // bytes of a (strip, group) record in meta0, meta1
+    static constexpr bool CLUSTERS = true;       // its one-row launch may sum in clusters (qmm_rows.cuh)
     struct Cursor { const unsigned* codes; };    // the lane's word of group 0's record
     struct Raw { unsigned codes, base; };
     struct State { half2 scale[2]; };            // (col(0), col(1)), (col(2), col(3))
@@ -200,6 +201,7 @@ struct Exl2 {
 // GPTQ: zero point and fp16 scale per (group, column), read as given (v1/v2 already resolved by prepare()).
 struct Gptq {
     static constexpr int REC0 = 64, REC1 = 32;
+    static constexpr bool CLUSTERS = false;      // with the cluster sums its one-row kernel spills ~320 bytes
     struct Cursor { const uint2* scales; const unsigned* zeros; };     // the lane's entries of group 0
     struct Raw { uint2 scales; unsigned zeros; };
     struct State { half2 scale[2]; half2 bias[4][5]; };    // bias[j][i / B] = -(1024 * 2^-i + z_j)

@@ -460,6 +460,75 @@ struct PdlWait {
     __device__ __forceinline__ void operator()() const { pdl_wait(); }
 };
 
+// CLUSTER SUMS (sm_90, EXL2; a one-row launch run in thread-block clusters of C = n_splits blocks, every part split
+//   the same C ways: planning.cluster_size): the C splits of a column block are the C blocks of one cluster (block b:
+//   column block b / C, split b % C, the cluster's rank), each warp leaves its strip's partials in its block's shared
+//   memory (sums_s), and after one cluster barrier warp w of the block of rank w % C sums strip w's C partials in
+//   split order through distributed shared memory (reduce_splits' arithmetic: the same bits), adds the bias and
+//   writes y; a second barrier keeps each block's shared memory until the others have read it. No counter, no
+//   workspace: the split-K reduction's two global round trips (~1 us for the arrival, ~0.7 for the sum,
+//   docs/megakernel.md) become a cluster barrier and a shared-memory read. Without clusters (C = 1: other GPUs, plans
+//   whose parts split differently, the megakernel's persistent grid) the counters' reduction (finish).
+__device__ __forceinline__ unsigned cluster_blocks()
+{
+    unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+
+__device__ __forceinline__ void cluster_barrier()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank()
+{
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+// v at the same shared-memory address in block `rank` of the cluster.
+__device__ __forceinline__ float cluster_load(const float* v, unsigned rank)
+{
+    float out = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(v)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(out) : "r"(remote) : "memory");
+#endif
+    return out;
+}
+
+// The warp's strip of a clustered launch: its partials into sums_s, the barrier, the sum where this block sums
+// strip `warp`, the barrier (CLUSTER SUMS). Every warp of every block calls it (idle warps with idle = true).
+template <int N8>
+__device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], const Part& pt, int strip, half* y,
+                                               unsigned C, bool idle)
+{
+    __shared__ float sums_s[WARPS][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (!idle)
+        for_each_acc<N8, true>(acc, strip, 1, [&](float v, int, int col) { sums_s[warp][col - strip * 32] = v; });
+    __syncwarp();                                    // (the barrier's .aligned form: the warp converged)
+    cluster_barrier();
+    if (!idle && warp % C == cluster_rank()) {
+        float sum = 0.f;                             // reduce_splits' order: split 0 first
+        for (unsigned s = 0; s < C; ++s) sum += cluster_load(&sums_s[warp][lane], s);
+        const int col = strip * 32 + lane;
+        if (col < pt.n) y[col] = __float2half_rn(sum + bias_at(pt.bias, col));
+    }
+    __syncwarp();
+    cluster_barrier();
+}
+
 // Block `local` of part pt, M rows of x that stage_xs staged (xg: the part's x in stored order [ROWS][K], cg: its
 // corrections [K / 32][ROWS]): no x tile and no barrier after the wait, so every warp starts on its weights at once
 // and reads x with them. Shared memory: the split's chunk_meta entries (staged before the wait). A block has one
@@ -473,7 +542,9 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int split = local / pt.col_blocks, strip = local % pt.col_blocks * strips_per_block + warp;
+    const unsigned C = M1 && Fmt::CLUSTERS ? cluster_blocks() : 1;    // (CLUSTER SUMS: split = the cluster rank)
+    const int split = C > 1 ? local % C : local / pt.col_blocks;
+    const int strip = (C > 1 ? local / C : local % pt.col_blocks) * strips_per_block + warp;
     const bool mine = warp < strips_per_block && strip < pt.strips;
     const Stamps stamps;
     stamps.start();
@@ -484,7 +555,11 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     }
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
-    if (!mine) return;
+    if (!mine) {
+        if constexpr (M1 && Fmt::CLUSTERS)
+            if (C > 1) cluster_finish<N8>({}, pt, strip, y, C, true);
+        return;
+    }
     wait();                                            // x (stage_xs's), ws and the counters
     stamps.at(1);
     MatmulSink<Fmt, N8, M1, true> sink;
@@ -495,6 +570,13 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     stamps.at(2);
+    if constexpr (M1 && Fmt::CLUSTERS)
+        if (C > 1) {
+            cluster_finish<N8>(sink.acc, pt, strip, y, C, false);
+            stamps.at(3);
+            stamps.emit(1, p.n_parts, p.K, local);
+            return;
+        }
     finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps);
     stamps.at(3);
     stamps.emit(1, p.n_parts, p.K, local);

@@ -32,8 +32,8 @@ from ..formats.gptq import GptqWeight
 from ..model import reference
 from . import activation, megakernel, norm
 from .loader import aligned, compute_capability, launch
-from .planning import (CHUNK, MAX_SPLITS, WARPS, Lazy, choose_splits, rows_class, small_blocks, split_starts,
-                       x_tile)
+from .planning import (CHUNK, MAX_SPLITS, WARPS, Lazy, choose_splits, cluster_size, rows_class, small_blocks,
+                       split_starts, x_tile)
 
 STRIP = 32                      # columns per strip (one warp)
 THREADS = WARPS * 32
@@ -341,6 +341,7 @@ class Plan:
     params: np.ndarray       # 0-d PARAMS_DTYPE
     ws_floats: int           # fp32 split partials the launch needs (0: none); GEMM plans: per row of x
     threads: int = THREADS   # per block (small-M plans: 32 per strip of a block)
+    cluster: int = 1         # blocks per thread-block cluster (planning.cluster_size; 1: none)
 
     def arg(self) -> np.ndarray:
         """The Params as a kernel argument (the loader passes the struct's bytes by value)."""
@@ -403,10 +404,11 @@ def _check_fp16(*tensors: Tensor | None) -> None:
 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
-               n_sm: int) -> Plan:
-    """The small-M launch for `rows` rows of x, which stage_xs stages."""
+               n_sm: int, cc: tuple[int, int]) -> Plan:
+    """The small-M launch for `rows` rows of x, which stage_xs stages; in clusters where its splits allow."""
     strips_per_block, splits = small_blocks(layouts, rows, n_sm)
-    return staged_plan(layouts, biases, counters, splits, rows, strips_per_block)
+    plan = staged_plan(layouts, biases, counters, splits, rows, strips_per_block)
+    return replace(plan, cluster=cluster_size(splits, rows, cc) if layouts[0].fmt == Format.EXL2 else 1)
 
 
 def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], splits: list[int],
@@ -486,10 +488,11 @@ class QuantMatmul:
         self.counters = [torch.zeros(lay.strips, dtype=torch.int32, device=device) for lay in layouts]  # self-resetting
         # Plans by rows of x (1..ROWS_PER_PASS), part (dequantize) and gemm_shape, made on first use: they are
         # host data only (no launch, no sync, so also inside a graph capture), and a model uses few of them.
-        self.plans = Lazy(lambda rows: plan_small(layouts, self.biases, self.counters, rows, n_sm))
+        cc = compute_capability(device)
+        self.plans = Lazy(lambda rows: plan_small(layouts, self.biases, self.counters, rows, n_sm, cc))
         self.dequant_plans = Lazy(lambda i: plan_dequant(layouts[i], n_sm))
         self.gemm_plans = Lazy(lambda shape: plan_gemm(layouts, self.biases, shape, n_sm))
-        wgmma = compute_capability(device) == WGMMA_CC           # what the loader builds sm_90a for
+        wgmma = cc == WGMMA_CC                                    # what the loader builds sm_90a for
         self.wgmma_plan = plan_wgmma(layouts, self.biases, n_sm) if wgmma else None
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
@@ -572,7 +575,7 @@ class QuantMatmul:
             launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
                    args=(self.plans[rows].arg(), self._stage(xs, rows, before), *outs, *nulls,
                          self._ws(plan, rows, x.device)),
-                   shared_mem=plan.smem)
+                   shared_mem=plan.smem, cluster=plan.cluster)
         return ys
 
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:

@@ -183,8 +183,11 @@ def test_x_tile_rows_start_eight_banks_apart():
 def test_small_m_plans_run_in_one_wave_within_limits(rows):
     lays = [qm.exl2_layout(synthetic.random_exl2(4096, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (256, 96)]
     counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
-    plan = qm.plan_small(lays, [None, None], counters, rows, n_sm=132)
+    plan = qm.plan_small(lays, [None, None], counters, rows, n_sm=132, cc=(9, 0))
     p = plan.params
+    splits = [int(n) for n in p["part"]["n_splits"][:2]]
+    assert plan.cluster == planning.cluster_size(splits, rows, (9, 0))
+    assert qm.plan_small(lays, [None, None], counters, rows, n_sm=132, cc=(8, 9)).cluster == 1
     assert int(p["n_parts"]) == 2 and int(p["M"]) == rows and int(p["K"]) == 4096
     assert plan.smem <= planning.X_SMEM_BYTES
     # x comes staged (stage_xs): shared memory holds the longest split's chunk_meta entries only
@@ -210,6 +213,18 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
         block0 += int(part["col_blocks"]) * n
         ws += n * rows * lay.np_ if n > 1 else 0
     assert plan.blocks == block0 and plan.ws_floats == ws
+
+
+def test_one_row_launches_run_in_clusters_where_every_part_splits_k_alike():
+    """qmm_rows.cuh CLUSTER SUMS: one row of x, sm_90+, every part split the same 2, 4, 8 or 16 ways."""
+    assert planning.cluster_size([4, 4, 4], 1, (9, 0)) == 4
+    assert planning.cluster_size([16], 1, (10, 0)) == 16
+    assert planning.cluster_size([4, 2], 1, (9, 0)) == 1            # a cluster is one size for the launch
+    assert planning.cluster_size([1], 1, (9, 0)) == 1               # nothing to sum
+    assert planning.cluster_size([11, 11, 11], 1, (9, 0)) == 1      # would leave a GPC's slots half used
+    assert planning.cluster_size([32], 1, (9, 0)) == 1              # more than a cluster holds
+    assert planning.cluster_size([4], 8, (9, 0)) == 1               # the 8- and 16-row kernels keep the counters
+    assert planning.cluster_size([4], 1, (8, 9)) == 1               # no clusters before Hopper
 
 
 def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short():
@@ -903,3 +918,28 @@ def test_weights_of_different_formats_are_not_fused():
     gptq_w = synthetic.random_gptq(416, 96, 4, 32, True, False)
     kernels = [qm.prepare(w.to(torch.device("cuda")), None) for w in (exl2_w, gptq_w)]
     assert qm.fuse(kernels) is None
+
+
+@on_gpu
+@pytest.mark.parametrize("k, ns", [(2048, (2048,)), (8192, (2048,)), (2048, (8192, 8192)), (4096, (14336, 14336))])
+def test_a_clustered_one_row_launch_gives_the_counters_sums_bit_for_bit(k, ns, monkeypatch):
+    """qmm_rows.cuh CLUSTER SUMS on the 1B and 8B shapes' o, down and gate/up (K split 16, 4 and 2 ways): the same
+    bits as the counters' reduction, and the reference's values; the counters stay zero."""
+    if torch.cuda.get_device_capability() < planning.CLUSTER_CC:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    weights = [synthetic.random_exl2(k, n, "0.05:8b_32g/0.95:4b_128g", seed=n + i) for i, n in enumerate(ns)]
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).half()
+
+    def run():
+        f = qm.fuse([qm.prepare(w.to(torch.device("cuda")), None) for w in weights])
+        return f, [f.forward(x.cuda()) for _ in range(2)]
+    clustered, (first, again) = run()
+    assert clustered.plans[1].cluster > 1
+    monkeypatch.setattr(planning, "CLUSTER_SIZES", ())
+    counted, (plain, _) = run()
+    assert counted.plans[1].cluster == 1
+    for a, b, c, w in zip(first, again, plain, weights):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        ref = x.float() @ w.dequantize().float().T
+        assert ((a.float().cpu() - ref).norm() / ref.norm()).item() < 2e-3
+    assert all(int(c.count_nonzero()) == 0 for c in clustered.counters)
