@@ -133,6 +133,29 @@ CLUSTER_SIZES = (2, 4, 8, 16)
 CLUSTER_CC = (9, 0)
 
 
+# The one-row split-K tail (bench_segment --trace, H100, 04be3c3): the summing warp's arrival at its strip's counter
+# and its read of every split's partial, ~1.7 us a launch; through a cluster's shared memory ~0.5 (a prediction).
+COUNTER_TAIL_SECONDS = 1.7e-6
+CLUSTER_TAIL_SECONDS = 0.5e-6
+
+
+def clustered_splits(layouts: list, n_sm: int, strips_per_block: int, splits: list[int]) -> list[int]:
+    """The one-row splits for a launch that may run in clusters: the planner's own (`splits`) or the count of
+    CLUSTER_SIZES every part can take, whichever _launch_seconds plus its reduction's tail rates faster (q/k/v's 11
+    splits of the 1B and 8B shapes become 8 or 16)."""
+    per_sm = RESIDENT_BLOCKS[1]
+    strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
+    col_blocks = [-(-lay.strips // strips_per_block) for lay in layouts]
+
+    def seconds(s: list[int]) -> float:
+        tail = 0.0 if max(s) == 1 else CLUSTER_TAIL_SECONDS if cluster_size(s, 1, CLUSTER_CC) > 1 \
+            else COUNTER_TAIL_SECONDS
+        return _launch_seconds(strip_bytes, col_blocks, s, n_sm, per_sm, strips_per_block, 1) + tail
+    most = min(min(len(lay.chunk_bits) // MIN_CHUNKS_PER_SPLIT, MAX_SPLIT_ROWS, M1_MAX_SPLITS) for lay in layouts)
+    options = [list(splits)] + [[c] * len(layouts) for c in CLUSTER_SIZES if c <= most]
+    return min(options, key=seconds)
+
+
 def cluster_size(splits: list[int], rows: int, cc: tuple[int, int]) -> int:
     """Blocks per cluster of a small-M launch with these splits per part (1: no cluster)."""
     c = splits[0]

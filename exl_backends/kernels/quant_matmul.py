@@ -32,8 +32,8 @@ from ..formats.gptq import GptqWeight
 from ..model import reference
 from . import activation, megakernel, norm
 from .loader import aligned, compute_capability, launch
-from .planning import (CHUNK, MAX_SPLITS, WARPS, Lazy, choose_splits, cluster_size, rows_class, small_blocks,
-                       split_starts, x_tile)
+from .planning import (CHUNK, CLUSTER_CC, MAX_SPLITS, WARPS, Lazy, choose_splits, cluster_size, clustered_splits,
+                       rows_class, small_blocks, split_starts, x_tile)
 
 STRIP = 32                      # columns per strip (one warp)
 THREADS = WARPS * 32
@@ -407,8 +407,11 @@ def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters:
                n_sm: int, cc: tuple[int, int]) -> Plan:
     """The small-M launch for `rows` rows of x, which stage_xs stages; in clusters where its splits allow."""
     strips_per_block, splits = small_blocks(layouts, rows, n_sm)
+    clusters = rows == 1 and cc >= CLUSTER_CC and layouts[0].fmt == Format.EXL2
+    if clusters:
+        splits = clustered_splits(layouts, n_sm, strips_per_block, splits)
     plan = staged_plan(layouts, biases, counters, splits, rows, strips_per_block)
-    return replace(plan, cluster=cluster_size(splits, rows, cc) if layouts[0].fmt == Format.EXL2 else 1)
+    return replace(plan, cluster=cluster_size(splits, rows, cc) if clusters else 1)
 
 
 def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], splits: list[int],

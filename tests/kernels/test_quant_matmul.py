@@ -227,6 +227,20 @@ def test_one_row_launches_run_in_clusters_where_every_part_splits_k_alike():
     assert planning.cluster_size([4], 1, (8, 9)) == 1               # no clusters before Hopper
 
 
+def test_one_row_plans_take_a_cluster_sized_split_where_the_model_rates_it_faster():
+    """planning.clustered_splits: the 1B shape's q/k/v (K 2048, 3 parts), which the planner alone splits 11 ways,
+    takes a split count a cluster can hold once the counters' tail is counted; off Hopper the planner's own."""
+    lays = [qm.exl2_layout(synthetic.random_exl2(2048, n, "4b_128g", seed=n)) for n in (2048, 512, 512)]
+    counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
+    hopper = qm.plan_small(lays, [None] * 3, counters, 1, n_sm=132, cc=(9, 0))
+    ampere = qm.plan_small(lays, [None] * 3, counters, 1, n_sm=132, cc=(8, 0))
+    splits = [int(n) for n in hopper.params["part"]["n_splits"][:3]]
+    assert hopper.cluster == splits[0] in planning.CLUSTER_SIZES and len(set(splits)) == 1
+    assert ampere.cluster == 1 and [int(n) for n in ampere.params["part"]["n_splits"][:3]] == \
+        planning.small_blocks(lays, 1, 132)[1]
+    assert hopper.blocks <= planning.RESIDENT_BLOCKS[1] * 132
+
+
 def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short():
     """The 8B shape's gate/up (2 x 448 strips of 128 4-bit chunks, 2 splits): 224 blocks of 8 strips on 264 slots
     leave 40 SMs with one block; 256 of 7 strips fill it. q/k/v (4096 x (4096, 1024, 1024)) fills it with 8."""
