@@ -949,9 +949,10 @@ def test_a_clustered_one_row_launch_gives_the_counters_sums_bit_for_bit(k, ns, m
         return f, [f.forward(x.cuda()) for _ in range(2)]
     clustered, (first, again) = run()
     assert clustered.plans[1].cluster > 1
-    monkeypatch.setattr(planning, "CLUSTER_SIZES", ())
+    monkeypatch.setattr(qm, "cluster_size", lambda *args: 1)      # the same splits, summed through the counters
     counted, (plain, _) = run()
     assert counted.plans[1].cluster == 1
+    assert np.array_equal(counted.plans[1].params["part"]["n_splits"], clustered.plans[1].params["part"]["n_splits"])
     for a, b, c, w in zip(first, again, plain, weights):
         assert torch.equal(a, b) and torch.equal(a, c)
         ref = x.float() @ w.dequantize().float().T
