@@ -136,6 +136,16 @@ def allow_large_clusters(function_ptr: int) -> None:
            " (clusters of more than 8 blocks)")
 
 
+def max_active_clusters(function_ptr: int, grid: int, threads: int, shared_mem: int, cluster: int) -> int:
+    """How many clusters of `cluster` blocks of a kernel run on the GPU at once (a GPC holds whole clusters, so
+    fewer than its SMs' block slots suggest)."""
+    config, _ = pack((grid,), (threads,), shared_mem, 0, False, (), cluster)
+    lib, n = driver(), ctypes.c_int()
+    _check(lib, lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), function_ptr, ctypes.addressof(config)),
+           "cuOccupancyMaxActiveClusters")
+    return n.value
+
+
 def resident_blocks(function_ptr: int, threads: int, shared_mem: int) -> int:
     """How many blocks of a kernel fit on one SM at once (registers, shared memory, threads), as the driver says."""
     lib, n = driver(), ctypes.c_int()

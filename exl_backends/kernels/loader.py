@@ -129,6 +129,14 @@ def resident_blocks(family: str, kernel: str, threads: int, shared_mem: int) -> 
     return driver.resident_blocks(fn_ptr, threads, shared_mem)
 
 
+def max_active_clusters(family: str, kernel: str, grid: int, threads: int, shared_mem: int, cluster: int) -> int:
+    """Clusters of `cluster` blocks of `kernel` that the current device runs at once."""
+    fn, fn_ptr = _function(family, kernel, torch.cuda.current_device())
+    if cluster > driver.PORTABLE_CLUSTER:
+        _allow_large_clusters(fn_ptr)
+    return driver.max_active_clusters(fn_ptr, grid, threads, shared_mem, cluster)
+
+
 def aligned(x: Tensor, boundary: int = 16) -> Tensor:
     """x, or a copy of it whose data starts on a `boundary`-byte boundary (for kernels that move vectors of that
     size: a view into a larger tensor may start anywhere)."""

@@ -31,7 +31,7 @@ from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
 from ..model import reference
 from . import activation, megakernel, norm
-from .loader import aligned, compute_capability, launch
+from .loader import aligned, compute_capability, launch, max_active_clusters
 from .planning import (CHUNK, CLUSTER_CC, MAX_SPLITS, WARPS, Lazy, choose_splits, cluster_size, clustered_splits,
                        rows_class, small_blocks, split_starts, x_tile)
 
@@ -426,6 +426,15 @@ def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters
     return replace(plan, params=p, smem=8 * chunks)
 
 
+def in_one_wave(plan: Plan) -> Plan:
+    """The plan, summing through the counters instead where the GPU cannot run all its clusters at once (a GPC holds
+    whole clusters: a second wave would cost more than the cluster sums save)."""
+    if plan.cluster == 1:
+        return plan
+    fits = max_active_clusters(FAMILY[plan.kernel], plan.kernel, plan.blocks, plan.threads, plan.smem, plan.cluster)
+    return plan if plan.blocks // plan.cluster <= fits else replace(plan, cluster=1)
+
+
 def gemm_shape(rows: int) -> tuple[int, int]:
     """(row groups R, M tiles) of the GEMM for `rows` rows of x: a block is 8 / R strips x R * GEMM_WARP_ROWS rows;
     one warp per strip (R = 1) while the rows fit one warp, else GEMM_ROW_GROUPS, the rows then cut into M tiles of
@@ -492,7 +501,7 @@ class QuantMatmul:
         # Plans by rows of x (1..ROWS_PER_PASS), part (dequantize) and gemm_shape, made on first use: they are
         # host data only (no launch, no sync, so also inside a graph capture), and a model uses few of them.
         cc = compute_capability(device)
-        self.plans = Lazy(lambda rows: plan_small(layouts, self.biases, self.counters, rows, n_sm, cc))
+        self.plans = Lazy(lambda rows: in_one_wave(plan_small(layouts, self.biases, self.counters, rows, n_sm, cc)))
         self.dequant_plans = Lazy(lambda i: plan_dequant(layouts[i], n_sm))
         self.gemm_plans = Lazy(lambda shape: plan_gemm(layouts, self.biases, shape, n_sm))
         wgmma = cc == WGMMA_CC                                    # what the loader builds sm_90a for

@@ -11,6 +11,7 @@ import itertools
 
 import re
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -239,6 +240,22 @@ def test_one_row_plans_take_a_cluster_sized_split_where_the_model_rates_it_faste
     assert ampere.cluster == 1 and [int(n) for n in ampere.params["part"]["n_splits"][:3]] == \
         planning.small_blocks(lays, 1, 132)[1]
     assert hopper.blocks <= planning.RESIDENT_BLOCKS[1] * 132
+
+
+def test_a_launch_whose_clusters_do_not_fit_at_once_sums_through_the_counters(monkeypatch):
+    """qm.in_one_wave: the driver's count of clusters that run at once (a GPC holds whole clusters) decides."""
+    from exl_backends.kernels import driver
+    lays = [qm.exl2_layout(synthetic.random_exl2(2048, 2048, "4b_128g", seed=1))]
+    plan = qm.plan_small(lays, [None], [torch.zeros(lays[0].strips, dtype=torch.int32)], 1, n_sm=132, cc=(9, 0))
+    assert plan.cluster > 1
+    asked = []
+    monkeypatch.setattr(qm, "max_active_clusters", lambda *a: asked.append(a) or plan.blocks // plan.cluster)
+    assert qm.in_one_wave(plan) is plan
+    assert asked == [(qm.FAMILY[plan.kernel], plan.kernel, plan.blocks, plan.threads, plan.smem, plan.cluster)]
+    monkeypatch.setattr(qm, "max_active_clusters", lambda *a: plan.blocks // plan.cluster - 1)
+    assert qm.in_one_wave(plan).cluster == 1
+    config, _ = driver.pack((plan.blocks,), (plan.threads,), plan.smem, 0, False, (), plan.cluster)
+    assert struct.unpack_from(driver.CONFIG, config)[:3] == (plan.blocks, 1, 1)       # the occupancy query's config
 
 
 def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short():
