@@ -49,6 +49,18 @@ def _attributes(programmatic: bool, cluster: int) -> ctypes.Array:
     return (LaunchAttribute * len(attrs))(*attrs)
 
 
+# The argument types of every driver function called here. ctypes passes an undeclared int argument as a C int, so
+# a CUfunction (a 64-bit pointer) without its declaration arrives truncated and the driver crashes the process.
+SIGNATURES = {
+    "cuLaunchKernelEx": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+    "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
+                                                    ctypes.c_size_t],
+    "cuOccupancyMaxActiveClusters": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p],
+    "cuFuncSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
+}
+
+
 @functools.cache
 def driver():
     try:
@@ -56,11 +68,9 @@ def driver():
     except OSError as e:
         raise DeviceError(f"cannot load the CUDA driver library libcuda.so.1 ({e}): is the NVIDIA driver "
                           f"installed?") from None
-    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuLaunchKernelEx.restype = ctypes.c_int
-    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                                 ctypes.c_int, ctypes.c_size_t]
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
     return lib
 
 
