@@ -129,12 +129,15 @@ def resident_blocks(family: str, kernel: str, threads: int, shared_mem: int) -> 
     return driver.resident_blocks(fn_ptr, threads, shared_mem)
 
 
-def max_active_clusters(family: str, kernel: str, grid: int, threads: int, shared_mem: int, cluster: int) -> int:
-    """Clusters of `cluster` blocks of `kernel` that the current device runs at once."""
-    fn, fn_ptr = _function(family, kernel, torch.cuda.current_device())
-    if cluster > driver.PORTABLE_CLUSTER:
+@functools.cache
+def cluster_slots(family: str, kernel: str, threads: int, sizes: tuple[int, ...], device: int) -> dict[int, int]:
+    """Clusters of each of `sizes` blocks of `kernel` that a device runs at once (a GPC holds whole clusters, so
+    fewer than its SMs' block slots suggest). Asked with no dynamic shared memory: the kernels it is asked for need
+    a few KB, and their registers bound their blocks per SM."""
+    fn, fn_ptr = _function(family, kernel, device)
+    if max(sizes) > driver.PORTABLE_CLUSTER:
         _allow_large_clusters(fn_ptr)
-    return driver.max_active_clusters(fn_ptr, grid, threads, shared_mem, cluster)
+    return {c: driver.max_active_clusters(fn_ptr, c, threads, 0, c) for c in sizes}
 
 
 def aligned(x: Tensor, boundary: int = 16) -> Tensor:

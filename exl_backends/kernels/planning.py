@@ -127,8 +127,8 @@ def choose_splits(layouts: list, rows: int, n_sm: int, per_sm: int, smem_rows: i
 # qmm_rows.cuh CLUSTER SUMS: a one-row launch whose parts all split K the same C ways, C one of CLUSTER_SIZES, runs
 # in clusters of C blocks on compute capability 9.0+ and sums its splits through distributed shared memory instead
 # of a counter and a workspace in device memory. Sizes that divide 16: a GPC of the H100 (16-18 SMs, 2 blocks each)
-# then holds whole clusters with few slots left over (the 1B and 8B shapes' o and down split 16 ways, their gate/up
-# 4 and 2, their q/k/v 11: not clustered). Above 8 blocks a cluster is "non-portable" (the loader allows it).
+# then holds whole clusters with few slots left over; how many it holds the driver says (loader.cluster_slots).
+# Above 8 blocks a cluster is "non-portable" (the loader allows it).
 CLUSTER_SIZES = (2, 4, 8, 16)
 CLUSTER_CC = (9, 0)
 
@@ -139,27 +139,31 @@ COUNTER_TAIL_SECONDS = 1.7e-6
 CLUSTER_TAIL_SECONDS = 0.5e-6
 
 
-def clustered_splits(layouts: list, n_sm: int, strips_per_block: int, splits: list[int]) -> list[int]:
-    """The one-row splits for a launch that may run in clusters: the planner's own (`splits`) or the count of
-    CLUSTER_SIZES every part can take, whichever _launch_seconds plus its reduction's tail rates faster (q/k/v's 11
-    splits of the 1B and 8B shapes become 8 or 16)."""
+def clustered_splits(layouts: list, n_sm: int, strips_per_block: int, splits: list[int],
+                     slots: dict[int, int]) -> list[int]:
+    """The one-row splits for a launch that may run in clusters: the planner's own (`splits`) or a cluster size
+    every part can take and the GPU can run all of the launch's clusters of at once (`slots`: clusters of each size
+    it runs at once), whichever _launch_seconds plus its reduction's tail rates faster."""
     per_sm = RESIDENT_BLOCKS[1]
     strip_bytes = [128 * sum(lay.chunk_bits) for lay in layouts]
     col_blocks = [-(-lay.strips // strips_per_block) for lay in layouts]
 
     def seconds(s: list[int]) -> float:
-        tail = 0.0 if max(s) == 1 else CLUSTER_TAIL_SECONDS if cluster_size(s, 1, CLUSTER_CC) > 1 \
+        tail = 0.0 if max(s) == 1 else CLUSTER_TAIL_SECONDS if cluster_size(s, 1, sum(col_blocks), slots) > 1 \
             else COUNTER_TAIL_SECONDS
         return _launch_seconds(strip_bytes, col_blocks, s, n_sm, per_sm, strips_per_block, 1) + tail
     most = min(min(len(lay.chunk_bits) // MIN_CHUNKS_PER_SPLIT, MAX_SPLIT_ROWS, M1_MAX_SPLITS) for lay in layouts)
-    options = [list(splits)] + [[c] * len(layouts) for c in CLUSTER_SIZES if c <= most]
+    options = [list(splits)] + [[c] * len(layouts) for c in CLUSTER_SIZES
+                                if c <= most and cluster_size([c] * len(layouts), 1, sum(col_blocks), slots) > 1]
     return min(options, key=seconds)
 
 
-def cluster_size(splits: list[int], rows: int, cc: tuple[int, int]) -> int:
-    """Blocks per cluster of a small-M launch with these splits per part (1: no cluster)."""
+def cluster_size(splits: list[int], rows: int, clusters: int, slots: dict[int, int]) -> int:
+    """Blocks per cluster of a small-M launch with these splits per part and `clusters` column blocks (a cluster
+    each), 1 for none: where every part splits K the same C ways and the GPU runs `clusters` clusters of C blocks
+    at once (slots[C]; a GPC holds whole clusters, and a second wave would cost more than the sums save)."""
     c = splits[0]
-    if rows != 1 or cc < CLUSTER_CC or c not in CLUSTER_SIZES or any(n != c for n in splits):
+    if rows != 1 or any(n != c for n in splits) or slots.get(c, 0) < clusters:
         return 1
     return c
 

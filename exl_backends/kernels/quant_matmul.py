@@ -31,9 +31,9 @@ from ..formats.exl2 import Exl2Weight
 from ..formats.gptq import GptqWeight
 from ..model import reference
 from . import activation, megakernel, norm
-from .loader import aligned, compute_capability, launch, max_active_clusters
-from .planning import (CHUNK, CLUSTER_CC, MAX_SPLITS, WARPS, Lazy, choose_splits, cluster_size, clustered_splits,
-                       rows_class, small_blocks, split_starts, x_tile)
+from .loader import aligned, cluster_slots, compute_capability, launch
+from .planning import (CHUNK, CLUSTER_CC, CLUSTER_SIZES, MAX_SPLITS, WARPS, Lazy, choose_splits, cluster_size,
+                       clustered_splits, rows_class, small_blocks, split_starts, x_tile)
 
 STRIP = 32                      # columns per strip (one warp)
 THREADS = WARPS * 32
@@ -404,14 +404,15 @@ def _check_fp16(*tensors: Tensor | None) -> None:
 
 
 def plan_small(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], rows: int,
-               n_sm: int, cc: tuple[int, int]) -> Plan:
-    """The small-M launch for `rows` rows of x, which stage_xs stages; in clusters where its splits allow."""
+               n_sm: int, slots: dict[int, int]) -> Plan:
+    """The small-M launch for `rows` rows of x, which stage_xs stages; in clusters where its splits allow and the
+    GPU runs them all at once (`slots`: clusters of each size it runs at once; empty where there are none)."""
     strips_per_block, splits = small_blocks(layouts, rows, n_sm)
-    clusters = rows == 1 and cc >= CLUSTER_CC and layouts[0].fmt == Format.EXL2
-    if clusters:
-        splits = clustered_splits(layouts, n_sm, strips_per_block, splits)
+    if rows == 1 and slots:
+        splits = clustered_splits(layouts, n_sm, strips_per_block, splits, slots)
     plan = staged_plan(layouts, biases, counters, splits, rows, strips_per_block)
-    return replace(plan, cluster=cluster_size(splits, rows, cc) if clusters else 1)
+    clusters = sum(-(-lay.strips // strips_per_block) for lay in layouts)
+    return replace(plan, cluster=cluster_size(splits, rows, clusters, slots))
 
 
 def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters: list[Tensor], splits: list[int],
@@ -426,13 +427,10 @@ def staged_plan(layouts: list[LaneLayout], biases: list[Tensor | None], counters
     return replace(plan, params=p, smem=8 * chunks)
 
 
-def in_one_wave(plan: Plan) -> Plan:
-    """The plan, summing through the counters instead where the GPU cannot run all its clusters at once (a GPC holds
-    whole clusters: a second wave would cost more than the cluster sums save)."""
-    if plan.cluster == 1:
-        return plan
-    fits = max_active_clusters(FAMILY[plan.kernel], plan.kernel, plan.blocks, plan.threads, plan.smem, plan.cluster)
-    return plan if plan.blocks // plan.cluster <= fits else replace(plan, cluster=1)
+def one_row_cluster_slots(device: torch.device) -> dict[int, int]:
+    """Clusters of each of CLUSTER_SIZES blocks of the one-row EXL2 kernel that the device runs at once."""
+    kernel = MATMUL_KERNELS[Format.EXL2, 1]
+    return cluster_slots(FAMILY[kernel], kernel, THREADS, CLUSTER_SIZES, device.index)
 
 
 def gemm_shape(rows: int) -> tuple[int, int]:
@@ -501,7 +499,9 @@ class QuantMatmul:
         # Plans by rows of x (1..ROWS_PER_PASS), part (dequantize) and gemm_shape, made on first use: they are
         # host data only (no launch, no sync, so also inside a graph capture), and a model uses few of them.
         cc = compute_capability(device)
-        self.plans = Lazy(lambda rows: in_one_wave(plan_small(layouts, self.biases, self.counters, rows, n_sm, cc)))
+        clustered = layouts[0].fmt is Format.EXL2 and cc >= CLUSTER_CC    # GPTQ's kernel would spill (CLUSTER SUMS)
+        self.plans = Lazy(lambda rows: plan_small(layouts, self.biases, self.counters, rows, n_sm,
+                                                  one_row_cluster_slots(device) if clustered else {}))
         self.dequant_plans = Lazy(lambda i: plan_dequant(layouts[i], n_sm))
         self.gemm_plans = Lazy(lambda shape: plan_gemm(layouts, self.biases, shape, n_sm))
         wgmma = cc == WGMMA_CC                                    # what the loader builds sm_90a for

@@ -30,6 +30,7 @@ from exl_backends.kernels import quant_matmul as qm
 from exl_backends.model import reference
 
 EXL2_FIXTURE = FIXTURES / "exl2" / "llama_tiny_exl2_2.5bpw_h6"
+HOPPER_SLOTS = {2: 132, 4: 64, 8: 32, 16: 14}   # clusters of each size a GPU of 132 SMs might run at once
 
 # every width alone, the spec's candidate mixes (§10.6), and 3/2-bit mixes
 EXL2_MIXES = ["2b_64g", "3b_128g", "4b_128g", "5b_64g", "6b_32g", "8b_128g",
@@ -184,11 +185,11 @@ def test_x_tile_rows_start_eight_banks_apart():
 def test_small_m_plans_run_in_one_wave_within_limits(rows):
     lays = [qm.exl2_layout(synthetic.random_exl2(4096, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (256, 96)]
     counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
-    plan = qm.plan_small(lays, [None, None], counters, rows, n_sm=132, cc=(9, 0))
+    plan = qm.plan_small(lays, [None, None], counters, rows, 132, HOPPER_SLOTS)
     p = plan.params
     splits = [int(n) for n in p["part"]["n_splits"][:2]]
-    assert plan.cluster == planning.cluster_size(splits, rows, (9, 0))
-    assert qm.plan_small(lays, [None, None], counters, rows, n_sm=132, cc=(8, 9)).cluster == 1
+    assert plan.cluster == planning.cluster_size(splits, rows, plan.blocks // max(splits), HOPPER_SLOTS)
+    assert qm.plan_small(lays, [None, None], counters, rows, 132, {}).cluster == 1
     assert int(p["n_parts"]) == 2 and int(p["M"]) == rows and int(p["K"]) == 4096
     assert plan.smem <= planning.X_SMEM_BYTES
     # x comes staged (stage_xs): shared memory holds the longest split's chunk_meta entries only
@@ -218,44 +219,35 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
 
 def test_one_row_launches_run_in_clusters_where_every_part_splits_k_alike():
     """qmm_rows.cuh CLUSTER SUMS: one row of x, sm_90+, every part split the same 2, 4, 8 or 16 ways."""
-    assert planning.cluster_size([4, 4, 4], 1, (9, 0)) == 4
-    assert planning.cluster_size([16], 1, (10, 0)) == 16
-    assert planning.cluster_size([4, 2], 1, (9, 0)) == 1            # a cluster is one size for the launch
-    assert planning.cluster_size([1], 1, (9, 0)) == 1               # nothing to sum
-    assert planning.cluster_size([11, 11, 11], 1, (9, 0)) == 1      # would leave a GPC's slots half used
-    assert planning.cluster_size([32], 1, (9, 0)) == 1              # more than a cluster holds
-    assert planning.cluster_size([4], 8, (9, 0)) == 1               # the 8- and 16-row kernels keep the counters
-    assert planning.cluster_size([4], 1, (8, 9)) == 1               # no clusters before Hopper
+    assert planning.cluster_size([4, 4, 4], 1, 12, HOPPER_SLOTS) == 4
+    assert planning.cluster_size([1], 1, 12, HOPPER_SLOTS) == 1               # nothing to sum
+    assert planning.cluster_size([11, 11, 11], 1, 12, HOPPER_SLOTS) == 1     # not a cluster's size
+    assert planning.cluster_size([32], 1, 4, HOPPER_SLOTS) == 1               # more than a cluster holds
+    assert planning.cluster_size([4, 2], 1, 4, HOPPER_SLOTS) == 1             # parts split differently
+    assert planning.cluster_size([4], 8, 4, HOPPER_SLOTS) == 1                # 8- and 16-row kernels: counters
+    assert planning.cluster_size([4], 1, 4, {}) == 1                          # no clusters (before Hopper, GPTQ)
+    assert planning.cluster_size([16], 1, 14, {16: 14}) == 16
+    assert planning.cluster_size([16], 1, 15, {16: 14}) == 1                  # a second wave: counters
 
 
 def test_one_row_plans_take_a_cluster_sized_split_where_the_model_rates_it_faster():
     """planning.clustered_splits: the 1B shape's q/k/v (K 2048, 3 parts), which the planner alone splits 11 ways,
-    takes a split count a cluster can hold once the counters' tail is counted; off Hopper the planner's own."""
+    takes a split count a cluster can hold once the counters' tail is counted, of the sizes whose clusters the GPU
+    runs all at once; with no clusters the planner's own."""
     lays = [qm.exl2_layout(synthetic.random_exl2(2048, n, "4b_128g", seed=n)) for n in (2048, 512, 512)]
     counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
-    hopper = qm.plan_small(lays, [None] * 3, counters, 1, n_sm=132, cc=(9, 0))
-    ampere = qm.plan_small(lays, [None] * 3, counters, 1, n_sm=132, cc=(8, 0))
+    hopper = qm.plan_small(lays, [None] * 3, counters, 1, 132, HOPPER_SLOTS)
+    ampere = qm.plan_small(lays, [None] * 3, counters, 1, 132, {})
     splits = [int(n) for n in hopper.params["part"]["n_splits"][:3]]
     assert hopper.cluster == splits[0] in planning.CLUSTER_SIZES and len(set(splits)) == 1
     assert ampere.cluster == 1 and [int(n) for n in ampere.params["part"]["n_splits"][:3]] == \
         planning.small_blocks(lays, 1, 132)[1]
     assert hopper.blocks <= planning.RESIDENT_BLOCKS[1] * 132
-
-
-def test_a_launch_whose_clusters_do_not_fit_at_once_sums_through_the_counters(monkeypatch):
-    """qm.in_one_wave: the driver's count of clusters that run at once (a GPC holds whole clusters) decides."""
-    from exl_backends.kernels import driver
-    lays = [qm.exl2_layout(synthetic.random_exl2(2048, 2048, "4b_128g", seed=1))]
-    plan = qm.plan_small(lays, [None], [torch.zeros(lays[0].strips, dtype=torch.int32)], 1, n_sm=132, cc=(9, 0))
-    assert plan.cluster > 1
-    asked = []
-    monkeypatch.setattr(qm, "max_active_clusters", lambda *a: asked.append(a) or plan.blocks // plan.cluster)
-    assert qm.in_one_wave(plan) is plan
-    assert asked == [(qm.FAMILY[plan.kernel], plan.kernel, plan.blocks, plan.threads, plan.smem, plan.cluster)]
-    monkeypatch.setattr(qm, "max_active_clusters", lambda *a: plan.blocks // plan.cluster - 1)
-    assert qm.in_one_wave(plan).cluster == 1
-    config, _ = driver.pack((plan.blocks,), (plan.threads,), plan.smem, 0, False, (), plan.cluster)
-    assert struct.unpack_from(driver.CONFIG, config)[:3] == (plan.blocks, 1, 1)       # the occupancy query's config
+    short = {**HOPPER_SLOTS, hopper.cluster: hopper.blocks // hopper.cluster - 1}     # a second wave
+    other = qm.plan_small(lays, [None] * 3, counters, 1, 132, short)
+    assert other.cluster != hopper.cluster and other.blocks <= planning.RESIDENT_BLOCKS[1] * 132
+    if other.cluster > 1:
+        assert short[other.cluster] >= other.blocks // other.cluster
 
 
 def test_small_m_blocks_of_seven_strips_fill_the_wave_where_eight_leave_it_short():
@@ -955,9 +947,11 @@ def test_weights_of_different_formats_are_not_fused():
 @pytest.mark.parametrize("k, ns", [(2048, (2048,)), (8192, (2048,)), (2048, (8192, 8192)), (4096, (14336, 14336))])
 def test_a_clustered_one_row_launch_gives_the_counters_sums_bit_for_bit(k, ns, monkeypatch):
     """qmm_rows.cuh CLUSTER SUMS on the 1B and 8B shapes' o, down and gate/up (K split 16, 4 and 2 ways): the same
-    bits as the counters' reduction, and the reference's values; the counters stay zero."""
+    bits as the counters' reduction, and the reference's values; the counters stay zero. Clusters are allowed
+    whether or not they all fit at once (a second wave is slower, not different)."""
     if torch.cuda.get_device_capability() < planning.CLUSTER_CC:
         pytest.skip("thread-block clusters need compute capability 9.0")
+    monkeypatch.setattr(qm, "one_row_cluster_slots", lambda device: dict.fromkeys(planning.CLUSTER_SIZES, 1 << 20))
     weights = [synthetic.random_exl2(k, n, "0.05:8b_32g/0.95:4b_128g", seed=n + i) for i, n in enumerate(ns)]
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).half()
 
