@@ -36,10 +36,12 @@ X_SMEM_BYTES = 48 * 1024        # a block's x tile and chunk_meta copy; more wou
 # rate). One-row launches reduce their partials in rounds of up to M1_MAX_SPLITS (qmm.cuh REDUCE_LOADS) a
 # lane; the model has no term for them, so one-row plans stop at one round: the 1B shape's down projection (8192 x
 # 2048) took 8.71 us in 33 splits (3 rounds) against 8.25 in 16, and the 1B decode step 1.5-2 % less
-# (docs/decode-matmul.md).
+# (docs/decode-matmul.md). The one-row warp rate, 3.0e9 until 2026-12-06, is 2.8e9 since the cluster sums: at 3.0
+# the 1B shape's gate/up took 2 clustered splits (128 blocks, one an SM) for 4 through the counters and its launch
+# measured 13.7 us against 11.0 (H100, bench_segment); at 2.8 the one-row plans without clusters are unchanged.
 M1_MAX_SPLITS = 16
 BANDWIDTH = 4.0e12
-WARP_RATES = {1: 3.0e9, 8: 1.35e9, 16: 0.97e9}
+WARP_RATES = {1: 2.8e9, 8: 1.35e9, 16: 0.97e9}
 SM_RATES = {1: math.inf, 8: 19.5e9, 16: 14.0e9}
 WAVE_SECONDS = 3.0e-6
 REDUCE_SECONDS = 0.8e-6
@@ -134,7 +136,12 @@ CLUSTER_CC = (9, 0)
 
 
 # The one-row split-K tail (bench_segment --trace, H100, 04be3c3): the summing warp's arrival at its strip's counter
-# and its read of every split's partial, ~1.7 us a launch; through a cluster's shared memory ~0.5 (a prediction).
+# and its read of every split's partial, ~1.7 us a launch. Through a cluster's shared memory 0.5 was the prediction;
+# the trace measured 1.6-1.9 us from the median warp's walk to the launch's end either way (the wait for the slowest
+# split, not the sum). 0.5 stays because it is what the step rewards: with it the 8B shape's q/k/v and o take 8
+# clustered splits (for 11 and 16 through the counters), slower launched alone (+0.3, +1.1 us) but the chained block
+# 67.2 -> 63.8 us (their 128-192 blocks leave SMs free for the next launch's start), decode +4 %; the 1B shape's
+# q/k/v, o and down run 16 clustered (H100, bench_segment and bench_decode, 2026-12-06, docs/megakernel.md).
 COUNTER_TAIL_SECONDS = 1.7e-6
 CLUSTER_TAIL_SECONDS = 0.5e-6
 
