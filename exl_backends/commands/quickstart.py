@@ -119,7 +119,7 @@ def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int
     if not cached:
         default_model_dir()
         clock.lap("GGUF import")
-    if on_gpu and not cached:       # before converting: the converter captures CUDA graphs, kept free of loads
+    if on_gpu:                      # before converting: the converter captures CUDA graphs, kept free of loads
         kernels_ready()
         clock.lap("kernels (the rest of their compile)")
     model_dir = default_exl2_dir(device)
@@ -130,9 +130,6 @@ def run(question: str = QUESTION, device: str | None = None, max_new_tokens: int
     model = ExlForCausalLM.from_pretrained(model_dir, device=device, max_seq_len=2048,
                                            dtype=None if on_gpu else torch.float16)
     clock.lap("load")
-    if on_gpu and cached:           # loaded beside the load (it captures no graph); before the decode graphs
-        kernels_ready()
-        clock.lap("kernels (the rest of their loading)")
     print(f"model: {model_dir} on {model.device}\nuser: {question}\nassistant: ", end="", flush=True)
     threads = torch.get_num_threads()
     try:
