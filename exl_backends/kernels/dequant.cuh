@@ -1,7 +1,8 @@
 // dequant.cuh: the EXL2 / GPTQ codes of the quantized-matmul lane layout decoded to fp16: which bits of a lane's
 // B words hold which pair of codes, per width (pair_bits, magic_shift), the EXL2 scale codes and GPTQ zero points
 // of a group record (scale_code_pairs, zero_pair), and a chunk's 16 pairs as (code - z) (decode_pairs) or as the
-// raw magic halves (decode_raw, FOLDED widths). Shared by every kernel family that reads packed weights (qmm.cuh);
+// raw magic halves (decode_raw, FOLDED widths); and the inverse, a lane's words from its codes (code_bit,
+// encode_lane: the repack, lane_layout.cu). Shared by every kernel family that reads packed weights (qmm.cuh);
 // host-callable where marked EXL_HD (tests/kernels/test_quant_matmul.py compiles them for the host).
 //
 // LANE LAYOUT (one layout for both formats)
@@ -97,6 +98,36 @@ EXL_HD unsigned pair_bits(const unsigned (&w)[B], int p)
 // Distinct magic shifts of a width are 0, B, 2B, ...: shift i has index i / B.
 template <int B>
 EXL_HD constexpr int n_shifts() { return B == 2 ? 5 : B == 3 ? 3 : B == 4 ? 2 : B == 5 ? 2 : 1; }
+
+// The inverse, for the repack (lane_layout.cu): the bit position (32 * word + bit) in a lane's B words of bit k of
+// pair p's e = 0 code; its e = 1 code sits 16 bits above (quant_matmul.PAIR_BITS is the same table, tested).
+EXL_HD constexpr int code_bit(int B, int p, int k)
+{
+    const int per_word = B == 2 ? 8 : B == 3 ? 5 : B == 4 ? 4 : B == 5 ? 3 : 2;
+    const int direct = B == 3 || B == 5 ? 15 : B == 6 ? 12 : 16;
+    if (p < direct) return 32 * (p / per_word) + B * (p % per_word) + k;
+    if (B == 6) return 32 * ((6 * (p - 12) + k) / 4) + 12 + (6 * (p - 12) + k) % 4;
+    return 32 * k + 15;
+}
+
+// Lane 4g + q's B words (w[0..B)) of one (strip, chunk) from code(row, col), the codes of the chunk's rows
+// 16s + 4q + 2h + e and the strip's columns col(j) (LANE LAYOUT).
+template <class Code>
+EXL_HD void encode_lane(unsigned (&w)[8], int B, int lane, const Code& code)
+{
+    const int g = lane / 4, q = lane % 4;
+    for (int i = 0; i < 8; ++i) w[i] = 0u;
+    for (int p = 0; p < 16; ++p) {
+        const int j = p / 4, s = p / 2 % 2, h = p % 2;
+        for (int e = 0; e < 2; ++e) {
+            const unsigned c = code(16 * s + 4 * q + 2 * h + e, 16 * (j / 2) + 8 * (j % 2) + g);
+            for (int k = 0; k < B; ++k) {
+                const int pos = code_bit(B, p, k) + 16 * e;
+                w[pos / 32] |= (c >> k & 1u) << (pos % 32);
+            }
+        }
+    }
+}
 
 // ------------------------------------------------------------------------------------------- formats
 

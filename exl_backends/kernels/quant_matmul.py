@@ -96,6 +96,7 @@ FAMILIES = {     # kernel family (<family>.cu) -> its entry points
     "gemm": (*GEMM_KERNELS.values(), "permute_x", "gemm_reduce"),
     "wgmma": tuple(WGMMA_KERNELS.values()),
     "dequant": tuple(DEQUANT_KERNELS.values()),
+    "lane_layout": ("exl2_lane_words",),
 }
 FAMILY = {kernel: family for family, kernels in FAMILIES.items() for kernel in kernels}
 
@@ -280,25 +281,44 @@ def exl2_layout(w: Exl2Weight, device: torch.device | None = None) -> LaneLayout
     if any(a < b for a, b in zip(chunk_bits, chunk_bits[1:])):
         raise UnsupportedFormatError(f"EXL2 layer [{k} -> {w.out_features}]: q_groups widths are not in "
                                      f"non-increasing order; the checkpoint is corrupt")
-    q_weight = w.q_weight.to(device)
-    parts = []
-    for width in WIDTHS:                      # one run per width, a continuous bit stream in q_weight
+    runs = []                                 # (width, first word row, rows): a continuous bit stream each
+    for width in WIDTHS:
         run = [(qrow, rows) for b, qrow, rows in groups if b == width]
-        if not run:
-            continue
-        qrow0, rows = run[0][0], sum(r for _, r in run)
+        if run:
+            runs.append((width, run[0][0], sum(rows for _, rows in run)))
+    words = exl2_lane_words(w.q_weight.to(device), runs, np_)
+    base = (w.q_scale_max.float() * 2.0**-8).half().view(torch.int16).to(torch.int64) & 0xFFFF   # fp16 bits of m
+    group = torch.tensor(chunk_group, dtype=torch.int64, device=base.device)
+    chunk_meta = torch.stack((group, _int32((base | base << 16)[group]).long()), dim=1)
+    return LaneLayout(Format.EXL2, k, w.out_features, np_, words, chunk_bits,
+                      chunk_group, _moved(chunk_meta.to(torch.int32).contiguous(), device),
+                      _moved(_strip_major(exl2_scale_codes(w.q_scale)), device), None,
+                      _moved(_identity_or(torch.argsort(w.q_invperm.long())), device))
+
+
+def exl2_lane_words(q_weight: Tensor, runs: list[tuple[int, int, int]], np_: int) -> Tensor:
+    """An EXL2 weight's codes in the lane layout, int32 [strips * words per strip]: each run (width, its first word
+    row in q_weight, its rows; one a width, each a continuous bit stream) after the ones before. On CUDA one launch a
+    run (lane_layout.cu); else lane_words over slabs of rows (the specification)."""
+    strips = np_ // STRIP
+    per_strip = sum(width * rows for width, _, rows in runs)            # 32 * width words a chunk of 32 rows
+    if q_weight.is_cuda:
+        out = torch.empty(strips * per_strip, dtype=torch.int32, device=q_weight.device)
+        q_weight, run_word = q_weight.contiguous(), 0
+        for width, qrow0, rows in runs:
+            chunks = rows // CHUNK
+            launch("lane_layout", "exl2_lane_words", (-(-chunks // WARPS), strips), (THREADS,),
+                   (q_weight, np_, qrow0, width, chunks, out, per_strip, run_word))
+            run_word += 32 * width * chunks
+        return out
+    parts = []
+    for width, qrow0, rows in runs:
         step = _slab_rows(np_)
         for r in range(0, rows, step):
             n_rows = min(step, rows - r)
             words = q_weight[qrow0 + r * width // 32: qrow0 + (r + n_rows) * width // 32]
             parts.append(lane_words(unpack_codes(words, width, n_rows), width))
-    base = (w.q_scale_max.float() * 2.0**-8).half().view(torch.int16).to(torch.int64) & 0xFFFF   # fp16 bits of m
-    group = torch.tensor(chunk_group, dtype=torch.int64, device=base.device)
-    chunk_meta = torch.stack((group, _int32((base | base << 16)[group]).long()), dim=1)
-    return LaneLayout(Format.EXL2, k, w.out_features, np_, torch.cat(parts, dim=1).reshape(-1), chunk_bits,
-                      chunk_group, _moved(chunk_meta.to(torch.int32).contiguous(), device),
-                      _moved(_strip_major(exl2_scale_codes(w.q_scale)), device), None,
-                      _moved(_identity_or(torch.argsort(w.q_invperm.long())), device))
+    return torch.cat(parts, dim=1).reshape(-1)
 
 
 def gptq_layout(w: GptqWeight) -> LaneLayout:

@@ -420,12 +420,21 @@ template <int B> void pairs(const unsigned* in) {
     for (int i = 0; i < B; ++i) w[i] = in[i];
     for (int p = 0; p < 16; ++p) printf("%u %d\n", qmm::pair_bits<B>(w, p), qmm::magic_shift<B>(p));
 }
-int main() {   // lines "P bits words...", "S word g", "Z word j", "K n", "O 0"
+int main() {   // lines "P bits words...", "E bits codes[32 x 32]...", "S word g", "Z word j", "K n", "O 0"
     char op;
     unsigned in[8];
     int b;
     while (scanf(" %c %d", &op, &b) == 2) {
-        if (op == 'P') {
+        if (op == 'E') {                 // a chunk's codes, row-major: every lane's b words
+            static unsigned codes[32][32];
+            for (int i = 0; i < 32 * 32; ++i) scanf("%u", &codes[i / 32][i % 32]);
+            for (int lane = 0; lane < 32; ++lane) {
+                unsigned w[8];
+                qmm::encode_lane(w, b, lane, [&](int row, int col) { return codes[row][col]; });
+                for (int i = 0; i < b; ++i) printf("%u ", w[i]);
+                printf("\n");
+            }
+        } else if (op == 'P') {
             for (int i = 0; i < b; ++i) scanf("%u", &in[i]);
             switch (b) { case 2: pairs<2>(in); break; case 3: pairs<3>(in); break; case 4: pairs<4>(in); break;
                          case 5: pairs<5>(in); break; case 6: pairs<6>(in); break; default: pairs<8>(in); }
@@ -479,6 +488,18 @@ def test_kernel_decodes_the_codes_the_repack_wrote(harness):
                 for e, half in enumerate((v & 0xFFFF, v >> 16)):
                     assert half >> 10 == 0x19 and half & ((1 << i) - 1) == 0, (bits, l, p)   # 1024 + code * 2^i
                     assert (half & 0x3FF) >> i == codes[row + e, col], (bits, l, p, e)
+
+
+def test_kernel_encodes_a_lane_as_the_repack_does(harness):
+    """dequant.cuh encode_lane (the GPU repack, lane_layout.cu) gives each lane the words lane_words gives it."""
+    gen = torch.Generator().manual_seed(3)
+    for bits in qm.WIDTHS:
+        codes = torch.randint(0, 2**bits, (32, 32), generator=gen)
+        words = qm.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
+        planes = torch.split(words[0], [32 * w for w in qm.plane_words(bits)])
+        lane = torch.cat([p.reshape(32, -1) for p in planes], dim=1)        # [32 lanes, bits]
+        out = harness([f"E {bits} " + " ".join(map(str, codes.reshape(-1).tolist()))])
+        assert out == lane.tolist(), bits
 
 
 def test_gemm_x_columns_meet_the_lane_layouts_weights(harness):
@@ -561,6 +582,25 @@ def check_matmul(weight, m: int, bias: bool, seed: int = 0):
         rel = ((y - ref).norm() / ref.norm()).item()
         assert rel < 2e-3, rel
         assert (y - ref).abs().max() <= 5e-3 * ref.abs().max()
+
+
+@on_gpu
+@pytest.mark.parametrize("mix", EXL2_MIXES + ["0.05:8b_32g/0.1:6b_32g/0.1:5b_64g/0.45:4b_128g/0.2:3b_64g/0.1:2b_64g"])
+def test_the_gpu_repack_writes_the_cpu_repacks_words(mix):
+    """lane_layout.cu (one launch a width) against lane_words (the specification), word for word, on odd shapes."""
+    for k, n in ((416, 96), (96, 517), (4128, 517)):
+        w = synthetic.random_exl2(k, n, mix, seed=k + n)
+        cpu, gpu = qm.exl2_layout(w), qm.exl2_layout(w, torch.device("cuda"))
+        assert gpu.words.is_cuda and torch.equal(gpu.words.cpu(), cpu.words), (mix, k, n)
+        assert torch.equal(gpu.meta0.cpu(), cpu.meta0) and torch.equal(gpu.chunk_meta.cpu(), cpu.chunk_meta)
+
+
+@on_gpu
+def test_the_gpu_repack_of_a_real_exllamav2_checkpoint():
+    store = TensorStore(EXL2_FIXTURE)
+    for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "lm_head": (256, 512)}.items():
+        w = exl2.load(store, key, k, n)
+        assert torch.equal(qm.exl2_layout(w, torch.device("cuda")).words.cpu(), qm.exl2_layout(w).words), key
 
 
 @on_gpu
