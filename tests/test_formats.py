@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from exl_backends import ExlForCausalLM, formats
 from exl_backends.errors import CheckpointError, UnsupportedFormatError
 from exl_backends.formats import gptq
+from exl_backends.model import reference
 
 from conftest import save_tiny, tiny_config
 from quant_helpers import hf_with_weights, make_exl2, make_gptq, pack_stream, quantize_dir, rel_err
@@ -134,6 +135,27 @@ def test_exl2_single_width(tmp_path, bits, group_rows):
     layer = make_exl2(k, n, groups, np.random.default_rng(bits * group_rows))
     _, weight = load_weight(write_layer(tmp_path, "x", layer.tensors), "x", k, n)
     assert_bits_equal(weight, layer.weight)
+
+
+def test_exl2_dequantization_by_runs_equals_one_group_at_a_time():
+    """reference.dequant_exl2 unpacks each run of one width at once; a group ending inside a word (3 bits x 10 rows:
+    30 bits, the next group on the next word) ends its run. Against the per-group unpacking, on random words."""
+    gen = torch.Generator().manual_seed(11)
+    q_groups = torch.tensor([4, 0, 3, 4, 3, 5, 2, 11, 2, 12], dtype=torch.int16)   # rows 32, 10, 64, 16, 8
+    k, n = 130, 40
+    q_weight = torch.randint(-2**31, 2**31 - 1, (13, 64), dtype=torch.int32, generator=gen)
+    q_scale = torch.randint(-2**31, 2**31 - 1, (5, 8), dtype=torch.int32, generator=gen)
+    q_scale_max = (torch.rand(5, generator=gen) * 0.1).half()
+    q_invperm = torch.randperm(k, generator=gen).to(torch.int32)
+    scales = reference.exl2_scales(q_scale, q_scale_max).float()
+    rows = []
+    for g, (bits, qrow, r) in enumerate(reference.exl2_groups(q_groups, k)):
+        codes = reference.unpack_bits(q_weight[qrow: qrow + (r * bits + 31) // 32], bits, r)
+        rows.append(((codes - 2 ** (bits - 1)).float() * scales[g]).half())
+    want = torch.cat(rows)[q_invperm.long()][:, :n].T
+    got = reference.dequant_exl2(q_weight, q_scale, q_scale_max, q_groups, q_invperm, n)
+    assert [len(members) for *_, members in reference._exl2_runs(reference.exl2_groups(q_groups, k))] == [1, 1, 1, 2]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_exl2_every_width_in_one_matrix_with_padded_bias(tmp_path):

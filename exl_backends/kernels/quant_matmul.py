@@ -149,12 +149,8 @@ def _int32(words: Tensor) -> Tensor:
 
 
 def unpack_codes(words: Tensor, bits: int, rows: int) -> Tensor:
-    """reference.unpack_bits as uint8; for widths that divide 32 (no code straddles two words) one shift a code."""
-    if 32 % bits:
-        return reference.unpack_bits(words, bits, rows).to(torch.uint8)
-    shift = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)[:, None]
-    codes = (words[:, None, :] >> shift) & ((1 << bits) - 1)                 # [W, 32 / bits, N]
-    return codes.to(torch.uint8).reshape(-1, words.shape[1])[:rows]
+    """reference.unpack_bits as uint8."""
+    return reference.unpack_bits(words, bits, rows).to(torch.uint8)
 
 
 def lane_words(codes: Tensor, bits: int) -> Tensor:

@@ -11,7 +11,6 @@ import itertools
 
 import re
 import shutil
-import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,14 +99,16 @@ def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", qm.WIDTHS)
-def test_unpack_codes_is_the_reference_unpack(bits):
-    """The repack's unpacking (one shift a code where codes never straddle words) gives reference.unpack_bits'
-    codes, signed words (top bit set) included."""
+def test_unpacking_reads_back_the_packed_codes(bits):
+    """reference.unpack_bits (one shift a code where codes never straddle words, a 64-bit window where they do)
+    inverts pack_bits, signed words (top bit set) included; unpack_codes is it as uint8."""
     codes = torch.randint(0, 2**bits, (96, 40), generator=torch.Generator().manual_seed(bits))
     codes[0] = 2**bits - 1
     words = reference.pack_bits(codes, bits)
+    assert torch.equal(reference.unpack_bits(words, bits, 96), codes)
+    assert torch.equal(reference.unpack_bits(words, bits, 90), codes[:90])
     got = qm.unpack_codes(words, bits, 96)
-    assert got.dtype == torch.uint8 and torch.equal(got.long(), reference.unpack_bits(words, bits, 96))
+    assert got.dtype == torch.uint8 and torch.equal(got.long(), codes)
 
 
 @pytest.mark.parametrize("mix", EXL2_MIXES)
