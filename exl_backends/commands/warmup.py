@@ -19,7 +19,8 @@ from ..kernels import loader
 
 # What every decoder launches on CUDA (norms, rope + cache write, attention, SiLU/GELU and soft-caps), and what a
 # quantized one adds (EXL2/GPTQ matmuls: one-row to 16-row, the tiled GEMMs, dequantization for long prompts). A
-# dense fp16 model's linears are torch's. lane_layout (the EXL2 repack) comes first: a load waits for it. (Mixture-of-experts' matmul_moe compiles on first use.)
+# dense fp16 model's linears are torch's. lane_layout (the EXL2 repack) comes first: a load waits for it.
+# (Mixture-of-experts' matmul_moe compiles on first use.)
 DECODER_FAMILIES = ("norm", "rope", "kv_cache", "attention", "activation")
 QUANTIZED_FAMILIES = ("lane_layout", "matmul_rows", "gemm", "wgmma", "dequant")
 

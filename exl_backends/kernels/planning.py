@@ -126,6 +126,7 @@ def choose_splits(layouts: list, rows: int, n_sm: int, per_sm: int, smem_rows: i
                                      f"tile; the kernels take at most {MAX_SPLITS}")
     return best[1]
 
+
 # qmm_rows.cuh CLUSTER SUMS: a one-row launch whose parts all split K the same C ways, C one of CLUSTER_SIZES, runs
 # in clusters of C blocks on compute capability 9.0+ and sums its splits through distributed shared memory instead
 # of a counter and a workspace in device memory. Sizes that divide 16: a GPC of the H100 (16-18 SMs, 2 blocks each)
