@@ -78,6 +78,7 @@ def test_llama_fast_path_writes_what_transformers_writes(tmp_path, monkeypatch, 
     file = _write_llama_gguf(tmp_path / "tiny.gguf", tied)
     fast = gguf_import.import_gguf(file, tmp_path / "fast")
     monkeypatch.setattr(gguf_import, "_llama_model", lambda file, config: None)   # transformers' loader
+    monkeypatch.setattr(gguf_import, "_llama_config", lambda file: None)          # and its config
     reference = gguf_import.import_gguf(file, tmp_path / "reference")
 
     names = sorted(p.name for p in fast.iterdir())
@@ -92,13 +93,17 @@ def test_llama_fast_path_writes_what_transformers_writes(tmp_path, monkeypatch, 
         assert torch.equal(ours[key].view(torch.int16), theirs[key].view(torch.int16)), key
 
 
-def test_llama_fast_path_is_taken(tmp_path):
-    """The fast path must not quietly fall back (a renamed transformers module would make the import 3x slower)."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_fast_path_is_taken(tmp_path, tied):
+    """The fast path must not quietly fall back (a renamed transformers module would make the import 3x slower):
+    the config from the header alone is AutoConfig's, and the model is made from it."""
     from transformers import AutoConfig
 
-    file = _write_llama_gguf(tmp_path / "tiny.gguf", tied=True)
+    file = _write_llama_gguf(tmp_path / "tiny.gguf", tied=tied)
     config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=file.name)
-    assert gguf_import._llama_model(file, config) is not None
+    ours = gguf_import._llama_config(file)
+    assert ours is not None and ours.to_dict() == config.to_dict() and ours.tie_word_embeddings is tied
+    assert gguf_import._llama_model(file, ours) is not None
 
 
 def test_gguf_names_match_transformers_map():

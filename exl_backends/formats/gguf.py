@@ -33,7 +33,7 @@ def import_gguf(file: str | Path, out_dir: str | Path) -> Path:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-        config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+        config = _llama_config(file) or AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
         model = _llama_model(file, config) or AutoModelForCausalLM.from_pretrained(
             str(file.parent), gguf_file=file.name, config=config, dtype=torch.float32,
             quantization_config=GgufConfig(dequantize=True))
@@ -67,6 +67,37 @@ def gguf_to_hf_names(config, hf_names) -> dict[str, str]:
         if gguf_name is not None:
             names[gguf_name + dot + suffix] = hf_name
     return names
+
+
+def _llama_config(file: Path):
+    """The config AutoConfig makes of a llama GGUF file, from its metadata read by transformers' header reader, which
+    skips the vocabulary (AutoConfig reads the file with gguf's GGUFReader, decoding all of it: ~3 s, as the
+    tokenizer's load does again); with transformers' own key table. None for other architectures (transformers
+    renames some: a llama file named "mistral" becomes one), or where transformers lacks the reader."""
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+        from transformers.modeling_gguf_pytorch_utils import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_TO_TRANSFORMERS_MAPPING
+    except ImportError:
+        return None
+    try:
+        metadata, tensor_names = read_gguf_metadata(str(file))
+    except ValueError:
+        return None
+    if metadata.get("general.architecture") != "llama" or "mistral" in str(metadata.get("general.name", "")).lower():
+        return None
+    config = {"tie_word_embeddings": "output.weight" not in tensor_names}     # (load_gguf_checkpoint's order)
+    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get("llama") or {}).items():
+        config.setdefault(key, value)
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for key, value in metadata.items():
+        prefix, _, rest = key.partition(".")
+        name = renames.get(prefix, {}).get(rest)
+        if name is not None and name != -1:
+            config[name] = value
+    config = CONFIG_MAPPING["llama"].from_dict(config)
+    config.name_or_path = str(file.parent)                                  # as from_pretrained sets it
+    return config
 
 
 def _llama_model(file: Path, config):
