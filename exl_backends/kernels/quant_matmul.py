@@ -301,11 +301,12 @@ def exl2_lane_words(q_weight: Tensor, runs: list[tuple[int, int, int]], np_: int
     if q_weight.is_cuda:
         out = torch.empty(strips * per_strip, dtype=torch.int32, device=q_weight.device)
         q_weight, run_word = q_weight.contiguous(), 0
-        for width, qrow0, rows in runs:
-            chunks = rows // CHUNK
-            launch("lane_layout", "exl2_lane_words", (-(-chunks // WARPS), strips), (THREADS,),
-                   (q_weight, np_, qrow0, width, chunks, out, per_strip, run_word))
-            run_word += 32 * width * chunks
+        with torch.cuda.device(q_weight.device):           # launches go to the current device's stream
+            for width, qrow0, rows in runs:
+                chunks = rows // CHUNK
+                launch("lane_layout", "exl2_lane_words", (-(-chunks // WARPS), strips), (THREADS,),
+                       (q_weight, np_, qrow0, width, chunks, out, per_strip, run_word))
+                run_word += 32 * width * chunks
         return out
     parts = []
     for width, qrow0, rows in runs:
