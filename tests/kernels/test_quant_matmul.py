@@ -472,13 +472,18 @@ def harness(tmp_path_factory):
     return run
 
 
+def words_by_lane(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """lane_words of one chunk of one strip ([32, 32] codes) as each lane's words, [32 lanes, bits] (unsigned)."""
+    words = qm.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
+    planes = torch.split(words[0], [32 * w for w in qm.plane_words(bits)])
+    return torch.cat([p.reshape(32, -1) for p in planes], dim=1)
+
+
 def test_kernel_decodes_the_codes_the_repack_wrote(harness):
     gen = torch.Generator().manual_seed(0)
     for bits in qm.WIDTHS:
         codes = torch.randint(0, 2**bits, (32, 32), generator=gen)
-        words = qm.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
-        planes = torch.split(words[0], [32 * w for w in qm.plane_words(bits)])
-        lane = torch.cat([p.reshape(32, -1) for p in planes], dim=1)        # [32 lanes, bits]
+        lane = words_by_lane(codes, bits)
         out = harness([f"P {bits} " + " ".join(map(str, lane[l].tolist())) for l in range(32)])
         for l in range(32):
             g, q = divmod(l, 4)
@@ -496,11 +501,8 @@ def test_kernel_encodes_a_lane_as_the_repack_does(harness):
     gen = torch.Generator().manual_seed(3)
     for bits in qm.WIDTHS:
         codes = torch.randint(0, 2**bits, (32, 32), generator=gen)
-        words = qm.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
-        planes = torch.split(words[0], [32 * w for w in qm.plane_words(bits)])
-        lane = torch.cat([p.reshape(32, -1) for p in planes], dim=1)        # [32 lanes, bits]
         out = harness([f"E {bits} " + " ".join(map(str, codes.reshape(-1).tolist()))])
-        assert out == lane.tolist(), bits
+        assert out == words_by_lane(codes, bits).tolist(), bits
 
 
 def test_gemm_x_columns_meet_the_lane_layouts_weights(harness):
