@@ -9,11 +9,12 @@ Measured as launch-per-op runs a layer (stage + matmul, each reading the one bef
 from DRAM over copies of the block. Plans with other splits sum in another order, so outputs differ in the last
 bits; only time is compared.
 
-    python benchmarks/search_plans.py [--shapes llama-3.2-1b,llama-3-8b] [--rounds 2]
+    python benchmarks/search_plans.py [--shapes llama-3.2-1b,llama-3-8b] [--rounds 2]   (rows to $OUT/search_plans.json)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import replace
@@ -27,6 +28,7 @@ os.environ["EXL_MEGAKERNEL"] = "0"      # (bench_segment turns it on; these plan
 
 import torch  # noqa: E402
 
+from exl_backends.commands.bench import run_info  # noqa: E402
 from exl_backends.kernels import planning  # noqa: E402
 from exl_backends.kernels import quant_matmul as qm  # noqa: E402
 
@@ -73,30 +75,35 @@ def described(f: qm.QuantMatmul) -> str:
     return f"{int(plan.params['part']['n_splits'][0])}{'c' if plan.cluster > 1 else ''}"
 
 
-def search(shape: str, rounds: int) -> None:
+def search(shape: str, rounds: int) -> list[dict]:
+    """The search's rows: each plan tried (op, splits, clustered, block us) and the planner's and the best."""
     blocks, inputs = block_copies(shape), block_inputs(shape)
     calls = [calls_of(b, inputs)["block"] for b in blocks]
     slots = qm.one_row_cluster_slots(torch.device("cuda", 0))
     planner = {op: described(blocks[0][op]) for op in OPS}
     base = time_calls(calls, reps=50) * 1e6
     print(f"{shape}: planner's plans {planner}: block {base:.2f} us")
+    rows = [dict(shape=shape, what="planner", plans=planner, block_us=base)]
     chosen: dict[str, tuple[int, bool] | None] = dict.fromkeys(OPS)
     best_time = base
     for r in range(rounds):
         for op in OPS:
-            row = []
+            tried = []
             for choice in options(blocks[0][op], slots):
                 use(blocks, op, choice)
-                t = time_calls(calls, reps=50) * 1e6
-                row.append((t, choice))
-            t, choice = min(row)
+                tried.append((time_calls(calls, reps=50) * 1e6, choice))
+            rows += [dict(shape=shape, what="tried", round=r + 1, op=op, splits=s, clustered=c, block_us=t)
+                     for t, (s, c) in tried]
+            t, choice = min(tried)
             if t < best_time:
                 chosen[op], best_time = choice, t
             use(blocks, op, chosen[op])
-            print(f"  round {r + 1} {op:8s} " + "  ".join(f"{s}{'c' if c else ''}:{t:.2f}" for t, (s, c) in row))
+            print(f"  round {r + 1} {op:8s} " + "  ".join(f"{s}{'c' if c else ''}:{t:.2f}" for t, (s, c) in tried))
     final = time_calls(calls, reps=50) * 1e6
-    print(f"{shape}: best {{{', '.join(f'{op}: {described(blocks[0][op])}' for op in OPS)}}}: block {final:.2f} us "
-          f"against {base:.2f} for the planner's ({(base / final - 1) * 100:+.1f} %)")
+    best = {op: described(blocks[0][op]) for op in OPS}
+    print(f"{shape}: best {best}: block {final:.2f} us against {base:.2f} for the planner's "
+          f"({(base / final - 1) * 100:+.1f} %)")
+    return rows + [dict(shape=shape, what="best", plans=best, block_us=final)]
 
 
 def main() -> None:
@@ -105,8 +112,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
-    for shape in args.shapes.split(","):
-        search(shape, args.rounds)
+    rows = [row for shape in args.shapes.split(",") for row in search(shape, args.rounds)]
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "search_plans.json").write_text(
+            json.dumps(run_info(torch.device("cuda"), 0.0, rows), indent=1))
 
 
 if __name__ == "__main__":
