@@ -279,9 +279,10 @@ for key, n in (("cumulative", 70), ("tottime", 35)):
 
 
 # The warm load's parts, one after another in one process (page cache warm), each synchronised: the tokenizer (with
-# transformers' import), the CUDA context, reading the linears' tensors into memory, copying them to the GPU and
-# repacking and planning them there (quant_matmul.prepare, as QuantLinear.to), then the whole from_pretrained and
-# its first token as the benchmark times them (its tokenizer and context then already there).
+# transformers' import), the CUDA context, reading the linears' tensors into memory, copying their codes to the GPU
+# (alone, as a measure of that part), copying and repacking and planning them there (quant_matmul.prepare, as
+# QuantLinear.to), then the whole from_pretrained and its first token as the benchmark times them (its tokenizer
+# and context then already there).
 _LOAD_PHASES = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -301,12 +302,16 @@ t = time.perf_counter()
 torch.zeros(1, device="cuda")
 phases["CUDA context"] = time.perf_counter() - t
 config, ckpt = ModelConfig.from_dir(sys.argv[1]), formats.open_checkpoint(sys.argv[1])
-for part in ("read", "to GPU + repack + plan"):
+for part in ("read", "copy to GPU (alone)", "to GPU + repack + plan"):
     phases[part] = 0.0
 for key, k, n, _ in linears(config, ckpt.store):
     t = time.perf_counter()
     w = exl2.load(ckpt.store, key, k, n)
     phases["read"] += time.perf_counter() - t
+    t = time.perf_counter()
+    w.q_weight.to("cuda")                                           # the copy the repack makes, timed alone
+    torch.cuda.synchronize()
+    phases["copy to GPU (alone)"] += time.perf_counter() - t
     t = time.perf_counter()
     quant_matmul.prepare(w, None, torch.device("cuda"))            # as QuantLinear.to places a layer
     torch.cuda.synchronize()
