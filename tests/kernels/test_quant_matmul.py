@@ -107,6 +107,8 @@ def test_unpacking_reads_back_the_packed_codes(bits):
     words = reference.pack_bits(codes, bits)
     assert torch.equal(reference.unpack_bits(words, bits, 96), codes)
     assert torch.equal(reference.unpack_bits(words, bits, 90), codes[:90])
+    short = words[:(45 * bits + 31) // 32]                    # a stream cut after its 45th code's last word
+    assert torch.equal(reference.unpack_bits(short, bits, 45), codes[:45])
     got = qm.unpack_codes(words, bits, 96)
     assert got.dtype == torch.uint8 and torch.equal(got.long(), codes)
 
