@@ -154,7 +154,7 @@ def test_exl2_dequantization_by_runs_equals_one_group_at_a_time():
         rows.append(((codes - 2 ** (bits - 1)).float() * scales[g]).half())
     want = torch.cat(rows)[q_invperm.long()][:, :n].T
     got = reference.dequant_exl2(q_weight, q_scale, q_scale_max, q_groups, q_invperm, n)
-    assert [len(members) for *_, members in reference._exl2_runs(reference.exl2_groups(q_groups, k))] == [1, 1, 1, 2]
+    assert [len(members) for *_, members in reference.exl2_runs(reference.exl2_groups(q_groups, k))] == [1, 1, 1, 2]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

@@ -277,11 +277,8 @@ def exl2_layout(w: Exl2Weight, device: torch.device | None = None) -> LaneLayout
     if any(a < b for a, b in zip(chunk_bits, chunk_bits[1:])):
         raise UnsupportedFormatError(f"EXL2 layer [{k} -> {w.out_features}]: q_groups widths are not in "
                                      f"non-increasing order; the checkpoint is corrupt")
-    runs = []                                 # (width, first word row, rows): a continuous bit stream each
-    for width in WIDTHS:
-        run = [(qrow, rows) for b, qrow, rows in groups if b == width]
-        if run:
-            runs.append((width, run[0][0], sum(rows for _, rows in run)))
+    # one run a width (whole chunks end on word boundaries): (width, first word row, rows), a bit stream each
+    runs = [(bits, qrow, sum(rows for _, rows in members)) for bits, qrow, members in reference.exl2_runs(groups)]
     words = exl2_lane_words(w.q_weight.to(device), runs, np_)
     base = (w.q_scale_max.float() * 2.0**-8).half().view(torch.int16).to(torch.int64) & 0xFFFF   # fp16 bits of m
     group = torch.tensor(chunk_group, dtype=torch.int64, device=base.device)

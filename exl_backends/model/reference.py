@@ -187,10 +187,10 @@ def exl2_scales(q_scale: Tensor, q_scale_max: Tensor) -> Tensor:
     return ((nibbles + 1).float().pow(2) * m[:, None]).half()                     # exact in f32, one rounding
 
 
-def _exl2_runs(groups: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+def exl2_runs(groups: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """Consecutive groups whose codes are one bit stream (same width, each ending on a word boundary where the
     next starts) as (bits, first word row, [(group, rows)]): unpacked at once, a load's CPU dequantization takes one
-    unpack per width instead of one per group."""
+    unpack per width instead of one per group; the GPU repack (quant_matmul.exl2_layout) one launch per run."""
     runs = []
     for g, (bits, qrow, rows) in enumerate(groups):
         if runs and runs[-1][0] == bits and runs[-1][3] == qrow * 32:
@@ -207,7 +207,7 @@ def dequant_exl2(q_weight: Tensor, q_scale: Tensor, q_scale_max: Tensor, q_group
     k = q_invperm.shape[0]
     scales = exl2_scales(q_scale, q_scale_max).float()
     rows_out = []
-    for bits, qrow, groups in _exl2_runs(exl2_groups(q_groups, k)):
+    for bits, qrow, groups in exl2_runs(exl2_groups(q_groups, k)):
         rows = sum(n for _, n in groups)
         codes = unpack_bits(q_weight[qrow: qrow + (rows * bits + 31) // 32], bits, rows)
         group_of_row = torch.repeat_interleave(torch.tensor([g for g, _ in groups]),
