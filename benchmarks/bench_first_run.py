@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import write_exl2_dir  # noqa: E402
 
 from exl_backends.commands.bench import copy_bandwidth, load_time  # noqa: E402
+from exl_backends.commands.quickstart import DEFAULT_NAME, QUICKSTART_BPW  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"quickstart, fresh machine": 45.0, "quickstart, warm": 3.0}   # issue 37, seconds to the first token
@@ -213,6 +214,12 @@ def quickstart_parts(args, results: Results) -> None:
             continue
         results.add(quickstart_line(what, r), what=what, model="SmolLM2-135M-Instruct", bpw=4.0,
                     target_s=TARGETS.get(what), **r)
+    if args.profile and "quickstart" in args.parts:    # where the warm quickstart's load goes
+        home = args.work / "quickstart-home"           # fresh_env's, as the quickstart left it
+        model_dir = home / ".cache" / "exl-backends" / f"{DEFAULT_NAME}-exl2-{QUICKSTART_BPW}bpw"
+        if model_dir.is_dir():
+            profile_load(str(model_dir), args.device, str(home / ".cupy" / "kernel_cache"), str(home), args.profile,
+                         name="quickstart-load")
 
 
 def load_parts(args, results: Results) -> None:
@@ -335,24 +342,24 @@ def load_phases(model_dir: str, kernels: str, home: str) -> dict[str, float]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def profile_load(model_dir: str, device: str, kernels: str, home: str, out: Path) -> None:
+def profile_load(model_dir: str, device: str, kernels: str, home: str, out: Path, name: str = "load") -> None:
     """One more warm load (imports, from_pretrained, first token) under cProfile and -X importtime: where the
-    warm figure's seconds go. Writes load-profile.txt (by cumulative and own time) and load-imports.txt (the
+    warm figure's seconds go. Writes NAME-profile.txt (by cumulative and own time) and NAME-imports.txt (the
     slowest imports, cumulative microseconds) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HOME=home, CUPY_CACHE_DIR=kernels)
     run = subprocess.run([sys.executable, "-X", "importtime", "-c", _PROFILED_LOAD, model_dir, device], env=env,
                          capture_output=True, text=True)
-    (out / "load-profile.txt").write_text(run.stdout + run.stderr[-3000:] * bool(run.returncode))
+    (out / f"{name}-profile.txt").write_text(run.stdout + run.stderr[-3000:] * bool(run.returncode))
     rows = []
     for line in run.stderr.splitlines():          # "import time: self [us] | cumulative | imported package"
         parts = line.removeprefix("import time:").split("|")
         if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
             rows.append((int(parts[1]), int(parts[0]), parts[2].rstrip()))
     rows.sort(reverse=True)
-    (out / "load-imports.txt").write_text("cumulative us | self us | module\n" + "\n".join(
+    (out / f"{name}-imports.txt").write_text("cumulative us | self us | module\n" + "\n".join(
         f"{c:12d} | {own:9d} | {name}" for c, own, name in rows[:80]) + "\n")
-    print(f"profiled warm load: {out / 'load-profile.txt'}, {out / 'load-imports.txt'}")
+    print(f"profiled warm load: {out / f'{name}-profile.txt'}, {out / f'{name}-imports.txt'}")
 
 
 def main() -> None:
