@@ -22,7 +22,7 @@ from ..model import planner
 from ..model.batch import Batch, SeqChunk
 from ..model.cache import KVCache, check_mode
 from ..model.config import ModelConfig
-from ..model.loading import default_dtype, hf_loading_arguments, load_tokenizer, tokenizer_beside  # noqa: F401
+from ..model.loading import default_dtype, hf_loading_arguments, load_tokenizer  # noqa: F401
 from ..model.model import Model
 from ..model.placement import plan as plan_split
 
@@ -85,7 +85,10 @@ class ExlForCausalLM:
         device, dtype = hf_loading_arguments(device, dtype, hf_kwargs)
         path = Path(path)
         config = ModelConfig.from_dir(path)
-        tokenizer = tokenizer_beside(path)
+        # loaded before the weights (its errors come first), not beside them in a thread: the weights' torch calls each
+        # wait for the GIL while the tokenizer's import holds it; no faster on the 2-core CPU machine and
+        # slower on the GPU one (8B warm, H100, 2026-12-06: 4.0-4.4 s beside; its parts timed one by one summed to 3.6)
+        tokenizer = load_tokenizer(path)
         check_mode(cache_mode, config)
         checkpoint = formats.open_checkpoint(path)      # refuses AWQ, GGUF, FP8, EXL3, ... with what to do
         dtype = dtype or default_dtype(device)
@@ -100,7 +103,7 @@ class ExlForCausalLM:
         if max_seq_len <= 0:
             raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
         model = Model.load(path, config, device, dtype, None if placement is None else placement.stages())
-        loaded = cls(model, tokenizer(), path, max_seq_len, cache_mode)
+        loaded = cls(model, tokenizer, path, max_seq_len, cache_mode)
         loaded.placement = placement
         return loaded
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -51,16 +49,6 @@ def hf_loading_arguments(device, dtype, hf_kwargs: dict) -> tuple[torch.device, 
         raise DeviceError(f"device {device} was asked for, but {why}; or run on the CPU (device='cpu', "
                           f"--device cpu)")
     return device, dtype
-
-
-def tokenizer_beside(path: Path) -> Callable:
-    """Starts load_tokenizer(path) in a thread and returns what waits for it (raising its error), so that the
-    tokenizer loads beside the weights: its first load in a process imports transformers (~0.5 s on the 2-core CPU
-    machine), and the first ever of a directory AutoTokenizer's model-config chain too (load_tokenizer)."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="exl-tokenizer")
-    future = pool.submit(load_tokenizer, path)
-    pool.shutdown(wait=False)               # the thread ends with the load
-    return future.result
 
 
 def load_tokenizer(path: Path):
