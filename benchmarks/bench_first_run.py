@@ -358,7 +358,7 @@ def profile_load(model_dir: str, device: str, kernels: str, home: str, out: Path
             rows.append((int(parts[1]), int(parts[0]), parts[2].rstrip()))
     rows.sort(reverse=True)
     (out / f"{name}-imports.txt").write_text("cumulative us | self us | module\n" + "\n".join(
-        f"{c:12d} | {own:9d} | {name}" for c, own, name in rows[:80]) + "\n")
+        f"{c:12d} | {own:9d} | {module}" for c, own, module in rows[:80]) + "\n")
     print(f"profiled warm load: {out / f'{name}-profile.txt'}, {out / f'{name}-imports.txt'}")
 
 
