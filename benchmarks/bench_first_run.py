@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -155,7 +156,9 @@ class Results:
         self.rows.append(row)
         if self.file:
             self.file.write_text(json.dumps(dict(date=datetime.date.today().isoformat(), commit=self.commit,
-                                                 device=self.device, torch=torch.__version__, command=self.command,
+                                                 device=self.device, torch=torch.__version__,
+                                                 transformers=importlib.metadata.version("transformers"),
+                                                 command=self.command,
                                                  results=self.rows), indent=1))
 
     def table(self) -> None:
