@@ -410,9 +410,6 @@ def _hf_processors(gc, mask: Tensor, min_new: int, eos: list[int]):
     return out
 
 
-
-
-
 def load_generation_config(path: Path, config):
     """The directory's generation_config.json, else the defaults transformers derives from config.json (config: its
     PretrainedConfig or its dict)."""

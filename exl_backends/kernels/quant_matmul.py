@@ -263,10 +263,10 @@ def _strip_major(meta: Tensor) -> Tensor:
 
 def exl2_layout(w: Exl2Weight, device: torch.device | None = None) -> LaneLayout:
     """EXL2 tensors -> lane layout on `device` (default: the weight's). Groups must be whole chunks (the converter
-    only writes 32/64/128-row groups). The small tables (groups, permutation, scale codes, chunk records) are made
-    where the weight is, the CPU when a model loads, and only the codes are unpacked on the device: each read of a
-    device tensor from the host waits for the device's whole queue, and with the tables made there every layer's
-    repack waited for the one before."""
+    only writes 32/64/128-row groups). What the host must read (the groups, whether the permutation is the
+    identity) is read where the weight is, the CPU when a model loads: each read of a device tensor from the host
+    waits for the device's whole queue, and with those reads made there every layer's repack waited for the one
+    before. What the host need not read (scale codes, the permutation) is made on the device, no read back."""
     k = w.in_features
     device = w.q_weight.device if device is None else device
     np_ = w.q_weight.shape[1]
