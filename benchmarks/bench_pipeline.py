@@ -25,10 +25,12 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES  # noqa: E402
 
+from exl_backends.commands.bench import result_path, run_info  # noqa: E402
 from exl_backends.kernels import loader  # noqa: E402
 
 SOURCE = r"""
@@ -172,7 +174,7 @@ def main() -> None:
     ap.add_argument("--slot-kb", type=int, default=16)
     ap.add_argument("--slots", type=int, default=12)
     ap.add_argument("--launches", type=int, default=30)
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--json", type=Path, help="write the rows here (a directory: benchmarks/results' file name)")
     args = ap.parse_args()
     if not 1 <= args.slots <= 32 or args.slots * args.slot_kb > 224:
         ap.error("--slots: 1 to 32 (the kernel's mbarriers), slots x slot-kb at most 224 KB (shared memory a CTA)")
@@ -225,7 +227,8 @@ def main() -> None:
                 print(f"{mode:8} {work:5} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
         del w
     if args.json:
-        args.json.write_text(json.dumps(dict(device=name, sms=G, copy_bandwidth=bw, rows=rows), indent=1))
+        info = run_info(torch.device("cuda"), bw, rows, sms=G)
+        Path(result_path(str(args.json), "pipeline", info)).write_text(json.dumps(info, indent=1))
 
 
 if __name__ == "__main__":
