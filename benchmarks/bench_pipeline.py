@@ -3,18 +3,23 @@ megakernel (issue #35, docs/megakernel.md "The pipelined design's premise"), mea
 a step of a Llama shape at 4.0 bpw (per layer q/k/v, attention's KV bytes at the given context, o, gate/up, down;
 the 6-bit head last) as ops whose bytes are split evenly over one CTA per SM. In each CTA a producer warp copies its
 shares, op after op, into a ring of shared-memory slots (cp.async.bulk, completion on an mbarrier per slot), and
-8 consumer warps work through each slot (WORK x (LOP3 + HFMA2) per 16 bytes a lane: 32 is about the one-row EXL2
-matmul's ~73 instructions per 512 bytes a warp), write their partials, and release it. Op k's work starts only
-when every CTA has finished op k - 1 (one counter per op: a release add per CTA, an acquire poll), the all-to-all
-dependency of a one-row matmul on the op before. Modes:
+the consumer warps work through each slot, write their partials, and release it. Op k's work starts only when every
+CTA has finished op k - 1 (one counter per op: a release add per CTA, an acquire poll), the all-to-all dependency of
+a one-row matmul on the op before. Modes:
   ahead  the producer copies op k's weights while the consumers still wait for op k - 1 (the ring's depth ahead)
   after  the producer waits for op k - 1 too before copying op k (no weights across a dependency)
   free   no dependencies (the ceiling of this streaming with this work)
+Consumers (--consumers; @N: N consumer warps, default 8):
+  w<WORK>  WORK x (LOP3 + HFMA2) per 16 bytes a lane (32: about the one-row EXL2 matmul's instruction count)
+  exl2     the one-row EXL2 kernel's own chunk loop (qmm::MatmulSink: 4-bit decode, MMAs, group scales) on the slots'
+           bytes, x and its corrections read from global memory as the M1 kernel reads them
+  exl2-xs  the same with x and the corrections copied into shared memory first
 Each launch is one whole step; the median of the launches' times against the step's bytes over the GPU's copy
 bandwidth (bound = bytes / copy bandwidth, as bench_decode's). Not modelled: the split-K sums, stages of x,
-attention's own latency, the real inner loop.
+attention's own latency, widths other than 4 bits.
 
-    python benchmarks/bench_pipeline.py [--shapes llama-3.2-1b,llama-3-8b] [--work 0,32] [--slot-kb 16 --slots 12]
+    python benchmarks/bench_pipeline.py [--shapes llama-3.2-1b,llama-3-8b] [--consumers w0,w32,exl2,exl2-xs]
+        [--slot-kb 16 --slots 12] [--json DIR]
 """
 from __future__ import annotations
 
@@ -34,9 +39,8 @@ from exl_backends.commands.bench import result_path, run_info  # noqa: E402
 from exl_backends.kernels import loader  # noqa: E402
 
 SOURCE = r"""
-#include <cuda_fp16.h>
+#include "qmm_rows.cuh"
 
-constexpr int CONSUMERS = 8;                 // consumer warps; warp 0 is the producer
 constexpr int MODE_AFTER = 1, MODE_FREE = 2;    // (0: ahead)
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -60,13 +64,112 @@ __device__ __forceinline__ void wait_counter(const int* counter, int target)
     while (load_acquire(counter) < target) __nanosleep(32);
 }
 
+// What the consumers read besides the ring (the EXL2 consumers' x, corrections and group records).
+struct Inputs {
+    const half* x;              // [K] in stored order (stage_xs's output for one row)
+    const float2* corr;         // [K / 32] the folded chunks' corrections
+    const unsigned* records;    // [K / 128][4] scale-code records of one strip (every warp reads the same)
+    int kchunks;                // K / 32
+};
+
+// WORK x (LOP3 + HFMA2) per 16 bytes a lane (32: about the one-row matmul's instruction count), all consumer warps
+// sharing each slot's 16-byte pieces.
+template <int WORK, int CONSUMERS>
+struct Synthetic {
+    unsigned acc[4] = {0u, 0u, 0u, 0u};                // half2 bits
+
+    __device__ void start(const Inputs&, unsigned char*, int) {}
+
+    __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
+    {
+        const uint4* v = reinterpret_cast<const uint4*>(data);
+        for (int i = cw * 32 + lane; i < bytes / 16; i += 32 * CONSUMERS) {
+            const uint4 x = v[i];
+            const unsigned u[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int j = 0; j < (WORK ? WORK : 4); ++j)      // WORK 0: one add a word
+                asm("fma.rn.f16x2 %0, %1, %0, %2;" : "+r"(acc[j & 3]) : "r"(u[j & 3] ^ (unsigned)j),
+                    "r"(WORK ? 0x3c003c00u : u[j & 3]));
+        }
+    }
+
+    __device__ float result() const { return (float)(acc[0] ^ acc[1] ^ acc[2] ^ acc[3]); }
+};
+
+// The one-row EXL2 kernel's own chunk loop (qmm::MatmulSink<Exl2, 1, true, true>: 4-bit folded decode, m16n8k16
+// MMAs, per-group scales) on the ring's bytes: each 512-byte piece of a slot is one 4-bit chunk of a warp's strip
+// (piece j to warp j % CONSUMERS), the warp's chunks consecutive along K (groups of 4 chunks, 128 rows), their x
+// fragments and corrections from global memory as the M1 kernel reads them (XS: from a copy in shared memory), one
+// chunk's loads ahead of its MMAs.
+template <bool XS, int CONSUMERS>
+struct Exl2Chunks {
+    using Sink = qmm::MatmulSink<qmm::Exl2, 1, true, true>;
+    Sink sink;
+    qmm::Exl2::Cursor cur;
+    const uint2* xb;            // the lane's x fragments of chunk 0 (global or shared)
+    const float2* cb;           // the corrections (global or shared)
+    int kc = 0, kchunks = 1;    // the warp's next chunk along K
+    Sink::Extra ex;             // the next chunk's x fragments and corrections, loaded ahead
+    qmm::Exl2::Raw raw;         // and its group record
+
+    __device__ void fetch()
+    {
+        ex.b[0][0] = xb[8 * kc];                       // rows 4q .. 4q + 3 of the chunk
+        ex.b[0][1] = xb[8 * kc + 4];                   // rows 16 + 4q ..
+        ex.corr[0] = cb[kc];
+        raw = qmm::Exl2::load(cur, make_int2(kc / 4, 0x20002000));
+    }
+
+    __device__ void start(const Inputs& in, unsigned char* extra, int lane)
+    {
+        kchunks = in.kchunks;
+        cur = {in.records + (lane / 4 >> 1)};
+        const half* x = in.x;
+        const float2* corr = in.corr;
+        if constexpr (XS) {                            // x and the corrections copied once into shared memory
+            half* xs = reinterpret_cast<half*>(extra);
+            float2* cs = reinterpret_cast<float2*>(extra + 64 * kchunks);
+            for (int i = threadIdx.x - 32; i < 32 * kchunks; i += 32 * CONSUMERS) xs[i] = x[i];
+            for (int i = threadIdx.x - 32; i < kchunks; i += 32 * CONSUMERS) cs[i] = corr[i];
+            asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
+            x = xs;
+            corr = cs;
+        }
+        xb = reinterpret_cast<const uint2*>(x) + lane % 4;
+        cb = corr;
+        fetch();
+    }
+
+    __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
+    {
+        for (int j = cw; j < bytes / 512; j += CONSUMERS) {
+            const uint4 v = reinterpret_cast<const uint4*>(data + 512 * j)[lane];
+            const unsigned w[4] = {v.x, v.y, v.z, v.w};
+            const Sink::Extra now = ex;
+            const qmm::Exl2::Raw now_raw = raw;
+            const int c = kc;
+            kc = kc + 1 == kchunks ? 0 : kc + 1;
+            fetch();
+            sink.template chunk<4>(w, c / 4, now_raw, c, now);
+        }
+    }
+
+    __device__ float result()
+    {
+        sink.flush();
+        return sink.acc[0][0][0] + sink.acc[1][0][2];
+    }
+};
+
 // Shares: op k's CTA c reads share[k] bytes at w + offset[k] + c * share[k]; slots of slot_bytes, `slots` of them,
-// in dynamic shared memory. counters[k] counts the CTAs done with op k over all launches so far (gen of them before
-// this one), so a launch waits for gen * G + G.
-template <int WORK>
+// in dynamic shared memory (then the consumer's own: EXL2 XS's x copy). counters[k] counts the CTAs done with op k
+// over all launches so far (gen of them before this one), so a launch waits for gen * G + G. Warp 0 is the
+// producer, warps 1 .. CONSUMERS the consumers.
+template <class Consumer, int CONSUMERS>
 __global__ void __launch_bounds__(32 * (CONSUMERS + 1), 1)
 pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offset, const int* __restrict__ share,
-         int n_ops, int slot_bytes, int slots, int* counters, int gen, int mode, float* out)
+         int n_ops, int slot_bytes, int slots, int* counters, int gen, int mode, float* out, const half* x,
+         const float2* corr, const unsigned* records, int kchunks)
 {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[32], empty[32];
@@ -100,7 +203,8 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
     }
 
     const int cw = warp - 1;                           // consumers
-    unsigned acc[4] = {0u, 0u, 0u, 0u};                // half2 bits
+    Consumer consumer;
+    consumer.start({x, corr, records, kchunks}, ring + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int k = 0; k < n_ops; ++k) {
         if (mode != MODE_FREE && k > 0) {              // every CTA done with op k - 1
@@ -108,31 +212,35 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
             asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         }
         for (int off = 0; off < share[k]; off += slot_bytes, ++it) {
-            const int slot = it % slots, n16 = min(slot_bytes, share[k] - off) / 16;
+            const int slot = it % slots;
             bar_wait(smem_addr(full + slot), (it / slots) & 1);
-            const uint4* v = reinterpret_cast<const uint4*>(ring + (size_t)slot * slot_bytes);
-            for (int i = cw * 32 + lane; i < n16; i += 32 * CONSUMERS) {
-                const uint4 x = v[i];
-                const unsigned u[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-                for (int j = 0; j < (WORK ? WORK : 4); ++j)      // WORK 0: one add a word
-                    asm("fma.rn.f16x2 %0, %1, %0, %2;" : "+r"(acc[j & 3]) : "r"(u[j & 3] ^ (unsigned)j),
-                        "r"(WORK ? 0x3c003c00u : u[j & 3]));
-            }
+            consumer.slot(ring + (size_t)slot * slot_bytes, min(slot_bytes, share[k] - off), cw, lane);
             __syncwarp();
             if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + slot))
                                         : "memory");
         }
         // the op's partials (as a split-K matmul's), then this CTA's arrival
-        out[((size_t)k * G + c) * 32 * CONSUMERS + cw * 32 + lane] = (float)(acc[0] ^ acc[1] ^ acc[2] ^ acc[3]);
+        out[((size_t)k * G + c) * 32 * CONSUMERS + cw * 32 + lane] = consumer.result();
         asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         if (threadIdx.x == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counters + k) : "memory");
     }
 }
 """
 
-THREADS = 32 * 9
 MODES = {"ahead": 0, "after": 1, "free": 2}
+MAX_SMEM = 227 * 1024           # dynamic shared memory a CTA may have (sm_90)
+
+
+def consumer_kernel(spec: str) -> tuple[str, int]:
+    """A consumer spec -> (kernel name expression, consumer warps): w<WORK> (Synthetic), exl2 (the M1 chunk loop,
+    x from global memory), exl2-xs (x in shared memory); @N for N consumer warps (default 8)."""
+    kind, _, warps = spec.partition("@")
+    n = int(warps or 8)
+    if kind.startswith("w") and kind[1:].isdigit():
+        return f"pipeline<Synthetic<{int(kind[1:])}, {n}>, {n}>", n
+    if kind in ("exl2", "exl2-xs"):
+        return f"pipeline<Exl2Chunks<{str(kind == 'exl2-xs').lower()}, {n}>, {n}>", n
+    raise SystemExit(f"unknown consumer {spec!r}: w<WORK>, exl2 or exl2-xs, optionally @<warps>")
 
 
 def step_ops(shape: str, context: int) -> list[tuple[str, int]]:
@@ -169,62 +277,71 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--work", default="0,32", help="LOP3 + HFMA2 pairs per 16 bytes a lane, each timed")
+    ap.add_argument("--consumers", default="w0,w32,exl2,exl2-xs,exl2@16,exl2-xs@16",
+                    help="w<WORK>: WORK x (LOP3 + HFMA2) per 16 bytes a lane; exl2: the one-row EXL2 chunk loop "
+                         "(4-bit) with x from global memory, exl2-xs: from shared memory; @N: N consumer warps")
     ap.add_argument("--modes", default="free,after,ahead")
     ap.add_argument("--slot-kb", type=int, default=16)
     ap.add_argument("--slots", type=int, default=12)
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--json", type=Path, help="write the rows here (a directory: benchmarks/results' file name)")
     args = ap.parse_args()
-    if not 1 <= args.slots <= 32 or args.slots * args.slot_kb > 224:
-        ap.error("--slots: 1 to 32 (the kernel's mbarriers), slots x slot-kb at most 224 KB (shared memory a CTA)")
+    if not 1 <= args.slots <= 32 or args.slots * args.slot_kb * 1024 > MAX_SMEM:
+        ap.error("--slots: 1 to 32 (the kernel's mbarriers), slots x slot-kb at most 227 KB (shared memory a CTA)")
 
     dev = cp.cuda.Device()
     G = dev.attributes["MultiProcessorCount"]
-    works = [int(x) for x in args.work.split(",")]
-    names = {work: f"pipeline<{work}>" for work in works}
-    module = cp.RawModule(code=SOURCE, options=("-std=c++17", f"--gpu-architecture={loader.arch(loader.compute_capability())}"),
-                          backend="nvrtc",
-                          name_expressions=list(names.values()))
+    specs = {spec: consumer_kernel(spec) for spec in args.consumers.split(",")}
+    module = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-I{loader.KERNEL_DIR}",
+                                                f"--gpu-architecture={loader.arch(loader.compute_capability())}"),
+                          backend="nvrtc", name_expressions=[name for name, _ in specs.values()])
     slot_bytes = args.slot_kb * 1024
-    smem = slot_bytes * args.slots
-    kernels = {work: module.get_function(name) for work, name in names.items()}
-    for kernel in kernels.values():
-        kernel.max_dynamic_shared_size_bytes = smem
     bw = copy_bandwidth()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"{name}: {G} SMs, copy bandwidth {bw / 1e12:.2f} TB/s; ring {args.slots} x {args.slot_kb} KB a CTA")
     rows = []
+    rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         ops = step_ops(shape, args.context)
-        shares = [-(-b // G + 15) // 16 * 16 for _, b in ops]      # per CTA, whole 16-byte pieces
+        shares = [-(-b // G + 511) // 512 * 512 for _, b in ops]    # per CTA, whole 512-byte pieces (4-bit chunks)
         offsets = np.cumsum([0] + [s * G for s in shares[:-1]]).astype(np.int64)
         total = int(sum(s * G for s in shares))
         w = cp.arange(total // 4, dtype=cp.uint32).view(cp.uint8)
         d_off, d_share = cp.asarray(offsets), cp.asarray(np.array(shares, dtype=np.int32))
-        out = cp.empty(len(ops) * G * 256, dtype=cp.float32)
+        kchunks = SHAPES[shape]["hidden_size"] // 32               # the EXL2 consumers' K: the hidden size
+        x = cp.asarray(rng.standard_normal(32 * kchunks).astype(np.float16))
+        corr = cp.asarray(rng.standard_normal(2 * kchunks).astype(np.float32))
+        records = cp.asarray(rng.integers(0, 2**32, kchunks + 8, dtype=np.uint32))
         bound_us = total / bw * 1e6
         print(f"\n{shape}, ctx {args.context}: {len(ops)} ops, {total / 1e9:.3f} GB a step, bound {bound_us:.0f} us")
-        print(f"{'mode':8} {'work':>5} {'us/step':>9} {'TB/s':>6} {'% of bound':>10}")
-        for work, kernel in kernels.items():
+        print(f"{'mode':8} {'consumer':>12} {'us/step':>9} {'TB/s':>6} {'% of bound':>10}")
+        for spec, (expression, warps) in specs.items():
+            kernel = module.get_function(expression)
+            smem = slot_bytes * args.slots + (72 * kchunks if spec.startswith("exl2-xs") else 0)
+            if smem > MAX_SMEM:
+                print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
+                continue
+            kernel.max_dynamic_shared_size_bytes = smem
+            out = cp.empty(len(ops) * G * 32 * warps, dtype=cp.float32)
             for mode in args.modes.split(","):
                 counters = cp.zeros(len(ops), dtype=cp.int32)
                 times = []
                 for gen in range(args.launches):
                     start, end = cp.cuda.Event(), cp.cuda.Event()
                     start.record()
-                    kernel((G,), (THREADS,), (w, d_off, d_share, np.int32(len(ops)), np.int32(slot_bytes),
-                                              np.int32(args.slots), counters, np.int32(gen), np.int32(MODES[mode]),
-                                              out), shared_mem=smem)
+                    kernel((G,), (32 * (warps + 1),),
+                           (w, d_off, d_share, np.int32(len(ops)), np.int32(slot_bytes), np.int32(args.slots),
+                            counters, np.int32(gen), np.int32(MODES[mode]), out, x, corr, records, np.int32(kchunks)),
+                           shared_mem=smem)
                     end.record()
                     end.synchronize()
                     times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
                 us = float(np.median(times[3:]))
-                row = dict(shape=shape, context=args.context, mode=mode, work=work, us=round(us, 1),
+                row = dict(shape=shape, context=args.context, mode=mode, consumer=spec, us=round(us, 1),
                            tb_s=round(total / us / 1e6, 3), share=round(bound_us / us, 3), bytes=total,
                            slots=args.slots, slot_kb=args.slot_kb)
                 rows.append(row)
-                print(f"{mode:8} {work:5} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
+                print(f"{mode:8} {spec:>12} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
         del w
     if args.json:
         info = run_info(torch.device("cuda"), bw, rows, sms=G)
