@@ -14,12 +14,14 @@ Consumers (--consumers; @N: N consumer warps, default 8):
   exl2     the one-row EXL2 kernel's own chunk loop (qmm::MatmulSink: 4-bit decode, MMAs, group scales) on the slots'
            bytes, x and its corrections read from global memory as the M1 kernel reads them
   exl2-xs  the same with x and the corrections copied into shared memory first
-Each launch is one whole step; the median of the launches' times against the step's bytes over the GPU's copy
+Layouts (--layouts): 5, every op waits for the one before (today's all-to-all dependencies, 5 a layer); 3, o and
+down do not wait (they would run in the CTA that computed their inputs) and end adding a hidden-size partial into
+the residual by float atomics (op_flags). Each launch is one whole step; the median of the launches' times against the step's bytes over the GPU's copy
 bandwidth (bound = bytes / copy bandwidth, as bench_decode's). Not modelled: the split-K sums, stages of x,
 attention's own latency, widths other than 4 bits.
 
     python benchmarks/bench_pipeline.py [--shapes llama-3.2-1b,llama-3-8b] [--consumers w0,w32,exl2,exl2-xs]
-        [--slot-kb 16 --slots 12] [--json DIR]
+        [--layouts 5,3] [--modes free,after,ahead] [--slot-kb 16 --slots 12] [--json DIR]
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ SOURCE = r"""
 #include "qmm_rows.cuh"
 
 constexpr int MODE_AFTER = 1, MODE_FREE = 2;    // (0: ahead)
+constexpr int WAITS = 1, ADDS = 2;               // op flags: waits for the op before; ends adding into the residual
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -163,13 +166,15 @@ struct Exl2Chunks {
 
 // Shares: op k's CTA c reads share[k] bytes at w + offset[k] + c * share[k]; slots of slot_bytes, `slots` of them,
 // in dynamic shared memory (then the consumer's own: EXL2 XS's x copy). counters[k] counts the CTAs done with op k
-// over all launches so far (gen of them before this one), so a launch waits for gen * G + G. Warp 0 is the
-// producer, warps 1 .. CONSUMERS the consumers.
+// over all launches so far (gen of them before this one), so a launch waits for gen * G + G. flags[k]: WAITS (op k
+// waits for every CTA to finish op k - 1), ADDS (each CTA then adds its partial of `hidden` floats into resid by
+// float atomics, as a K-split down or o projection would). Warp 0 is the producer, warps 1 .. CONSUMERS the
+// consumers.
 template <class Consumer, int CONSUMERS>
 __global__ void __launch_bounds__(32 * (CONSUMERS + 1), 1)
 pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offset, const int* __restrict__ share,
-         int n_ops, int slot_bytes, int slots, int* counters, int gen, int mode, float* out, const half* x,
-         const float2* corr, const unsigned* records, int kchunks)
+         const int* __restrict__ flags, int n_ops, int slot_bytes, int slots, int* counters, int gen, int mode,
+         float* out, float* resid, int hidden, const half* x, const float2* corr, const unsigned* records, int kchunks)
 {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[32], empty[32];
@@ -187,7 +192,7 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
         if (lane) return;
         int it = 0;
         for (int k = 0; k < n_ops; ++k) {
-            if (mode == MODE_AFTER && k > 0) wait_counter(counters + k - 1, target);
+            if (mode == MODE_AFTER && k > 0 && (flags[k] & WAITS)) wait_counter(counters + k - 1, target);
             const unsigned char* src = w + offset[k] + (size_t)c * share[k];
             for (int off = 0; off < share[k]; off += slot_bytes, ++it) {
                 const int slot = it % slots, n = min(slot_bytes, share[k] - off);
@@ -207,7 +212,7 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
     consumer.start({x, corr, records, kchunks}, ring + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int k = 0; k < n_ops; ++k) {
-        if (mode != MODE_FREE && k > 0) {              // every CTA done with op k - 1
+        if (mode != MODE_FREE && k > 0 && (flags[k] & WAITS)) {      // every CTA done with op k - 1
             if (threadIdx.x == 32) wait_counter(counters + k - 1, target);
             asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         }
@@ -220,7 +225,10 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
                                         : "memory");
         }
         // the op's partials (as a split-K matmul's), then this CTA's arrival
-        out[((size_t)k * G + c) * 32 * CONSUMERS + cw * 32 + lane] = consumer.result();
+        const float partial = consumer.result();
+        out[((size_t)k * G + c) * 32 * CONSUMERS + cw * 32 + lane] = partial;
+        if (flags[k] & ADDS)
+            for (int i = cw * 32 + lane; i < hidden; i += 32 * CONSUMERS) atomicAdd(resid + i, partial);
         asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         if (threadIdx.x == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counters + k) : "memory");
     }
@@ -228,6 +236,7 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
 """
 
 MODES = {"ahead": 0, "after": 1, "free": 2}
+WAITS, ADDS = 1, 2              # the kernel's op flags
 MAX_SMEM = 227 * 1024           # dynamic shared memory a CTA may have (sm_90)
 
 
@@ -258,6 +267,19 @@ def step_ops(shape: str, context: int) -> list[tuple[str, int]]:
     return layer * layers + [("head", quant(h, s["vocab_size"], 6.0))]
 
 
+def op_flags(ops: list[tuple[str, int]], layout: int) -> list[int]:
+    """Which ops wait for every CTA to finish the op before (the all-to-all dependencies) and which end adding their
+    partial sums into the residual by float atomics. Layout 5 (dependencies a layer): every op waits, as the
+    launch-per-op step does. Layout 3: o runs in the CTA that computed its heads' attention and down in the CTA that
+    computed its rows' silu * up, so neither waits, and both, split along K, add into the residual (what that
+    costs: docs/megakernel.md). Not modelled: o's work on fewer CTAs (one per head)."""
+    if layout == 5:
+        return [WAITS] * len(ops)
+    if layout == 3:
+        return [ADDS if name in ("o", "down") else WAITS for name, _ in ops]
+    raise SystemExit(f"--layouts: 5 or 3, not {layout}")
+
+
 def copy_bandwidth() -> float:
     a = cp.empty(2 * 1024**3, dtype=cp.uint8)
     b = cp.empty_like(a)
@@ -281,6 +303,7 @@ def main() -> None:
                     help="w<WORK>: WORK x (LOP3 + HFMA2) per 16 bytes a lane; exl2: the one-row EXL2 chunk loop "
                          "(4-bit) with x from global memory, exl2-xs: from shared memory; @N: N consumer warps")
     ap.add_argument("--modes", default="free,after,ahead")
+    ap.add_argument("--layouts", default="5,3", help="all-to-all dependencies a layer: 5 (every op) or 3 (op_flags)")
     ap.add_argument("--slot-kb", type=int, default=16)
     ap.add_argument("--slots", type=int, default=12)
     ap.add_argument("--launches", type=int, default=30)
@@ -312,36 +335,40 @@ def main() -> None:
         x = cp.asarray(rng.standard_normal(32 * kchunks).astype(np.float16))
         corr = cp.asarray(rng.standard_normal(2 * kchunks).astype(np.float32))
         records = cp.asarray(rng.integers(0, 2**32, kchunks + 8, dtype=np.uint32))
+        resid = cp.zeros(SHAPES[shape]["hidden_size"], dtype=cp.float32)
         bound_us = total / bw * 1e6
         print(f"\n{shape}, ctx {args.context}: {len(ops)} ops, {total / 1e9:.3f} GB a step, bound {bound_us:.0f} us")
-        print(f"{'mode':8} {'consumer':>12} {'us/step':>9} {'TB/s':>6} {'% of bound':>10}")
-        for spec, (expression, warps) in specs.items():
-            kernel = module.get_function(expression)
-            smem = slot_bytes * args.slots + (72 * kchunks if spec.startswith("exl2-xs") else 0)
-            if smem > MAX_SMEM:
-                print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
-                continue
-            kernel.max_dynamic_shared_size_bytes = smem
-            out = cp.empty(len(ops) * G * 32 * warps, dtype=cp.float32)
-            for mode in args.modes.split(","):
-                counters = cp.zeros(len(ops), dtype=cp.int32)
-                times = []
-                for gen in range(args.launches):
-                    start, end = cp.cuda.Event(), cp.cuda.Event()
-                    start.record()
-                    kernel((G,), (32 * (warps + 1),),
-                           (w, d_off, d_share, np.int32(len(ops)), np.int32(slot_bytes), np.int32(args.slots),
-                            counters, np.int32(gen), np.int32(MODES[mode]), out, x, corr, records, np.int32(kchunks)),
-                           shared_mem=smem)
-                    end.record()
-                    end.synchronize()
-                    times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-                us = float(np.median(times[3:]))
-                row = dict(shape=shape, context=args.context, mode=mode, consumer=spec, us=round(us, 1),
-                           tb_s=round(total / us / 1e6, 3), share=round(bound_us / us, 3), bytes=total,
-                           slots=args.slots, slot_kb=args.slot_kb)
-                rows.append(row)
-                print(f"{mode:8} {spec:>12} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
+        print(f"{'layout':>6} {'mode':8} {'consumer':>12} {'us/step':>9} {'TB/s':>6} {'% of bound':>10}")
+        for layout in (int(n) for n in args.layouts.split(",")):
+            flags = cp.asarray(np.array(op_flags(ops, layout), dtype=np.int32))
+            for spec, (expression, warps) in specs.items():
+                kernel = module.get_function(expression)
+                smem = slot_bytes * args.slots + (72 * kchunks if spec.startswith("exl2-xs") else 0)
+                if smem > MAX_SMEM:
+                    print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
+                    continue
+                kernel.max_dynamic_shared_size_bytes = smem
+                out = cp.empty(len(ops) * G * 32 * warps, dtype=cp.float32)
+                for mode in args.modes.split(","):
+                    counters = cp.zeros(len(ops), dtype=cp.int32)
+                    times = []
+                    for gen in range(args.launches):
+                        start, end = cp.cuda.Event(), cp.cuda.Event()
+                        start.record()
+                        kernel((G,), (32 * (warps + 1),),
+                               (w, d_off, d_share, flags, np.int32(len(ops)), np.int32(slot_bytes),
+                                np.int32(args.slots), counters, np.int32(gen), np.int32(MODES[mode]), out, resid,
+                                np.int32(resid.size), x, corr, records, np.int32(kchunks)),
+                               shared_mem=smem)
+                        end.record()
+                        end.synchronize()
+                        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+                    us = float(np.median(times[3:]))
+                    row = dict(shape=shape, context=args.context, layout=layout, mode=mode, consumer=spec,
+                               us=round(us, 1), tb_s=round(total / us / 1e6, 3), share=round(bound_us / us, 3),
+                               bytes=total, slots=args.slots, slot_kb=args.slot_kb)
+                    rows.append(row)
+                    print(f"{layout:6} {mode:8} {spec:>12} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
         del w
     if args.json:
         info = run_info(torch.device("cuda"), bw, rows, sms=G)
