@@ -14,6 +14,7 @@ Consumers (--consumers; @N: N consumer warps, default 8):
   exl2     the one-row EXL2 kernel's own chunk loop (qmm::MatmulSink: 4-bit decode, MMAs, group scales) on the slots'
            bytes, x and its corrections read from global memory as the M1 kernel reads them
   exl2-xs  the same with x and the corrections copied into shared memory first
+  exl2-fma the same chunks by HFMA2 dot products (no MMA; fp16 sums over a group): a loop of short chains
 Layouts (--layouts): 5, every op waits for the one before (today's all-to-all dependencies, 5 a layer); 3, o and
 down do not wait (they would run in the CTA that computed their inputs) and end adding a hidden-size partial into
 the residual by float atomics (op_flags). Each launch is one whole step; the median of the launches' times against the step's bytes over the GPU's copy
@@ -164,6 +165,88 @@ struct Exl2Chunks {
     }
 };
 
+// The same chunks by a loop without MMAs: each lane decodes its 32 codes to exact (code - z) halves (decode_pairs:
+// LOP3 + HFMA2 a pair) and multiplies them with its x pairs by HFMA2 into a half2 sum per column (4 columns, two
+// k rows each), which is scaled into fp32 when the group changes. Sums in fp16 over a group (16 products a column
+// half): not the M1 kernel's arithmetic (fp32 MMA accumulators), a measure of what a loop of short independent
+// chains runs at.
+template <int CONSUMERS>
+struct Exl2Fma {
+    qmm::Exl2::Cursor cur;
+    qmm::Exl2::State st;
+    const uint2* xb;
+    int kc = 0, kchunks = 1, group = -1;
+    uint2 xn[2];                 // the next chunk's x pairs (k steps 0, 1), loaded ahead
+    qmm::Exl2::Raw raw;
+    half2 sum[4];                // the group's sums of columns col(0..3)
+    float sf[4] = {}, acc[4] = {};
+
+    __device__ void fetch()
+    {
+        xn[0] = xb[8 * kc];
+        xn[1] = xb[8 * kc + 4];
+        raw = qmm::Exl2::load(cur, make_int2(kc / 4, 0x20002000));
+    }
+
+    __device__ void flush()
+    {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(sum[j]);
+            acc[j] = fmaf(f.x + f.y, sf[j], acc[j]);
+            sum[j] = __float2half2_rn(0.f);
+        }
+    }
+
+    __device__ void start(const Inputs& in, unsigned char*, int lane)
+    {
+        kchunks = in.kchunks;
+        cur = {in.records + (lane / 4 >> 1)};
+        xb = reinterpret_cast<const uint2*>(in.x) + lane % 4;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sum[j] = __float2half2_rn(0.f);
+        fetch();
+    }
+
+    __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
+    {
+        for (int j = cw; j < bytes / 512; j += CONSUMERS) {
+            const uint4 v = reinterpret_cast<const uint4*>(data + 512 * j)[lane];
+            const unsigned w[4] = {v.x, v.y, v.z, v.w};
+            const uint2 x0 = xn[0], x1 = xn[1];
+            const qmm::Exl2::Raw now_raw = raw;
+            const int c = kc;
+            kc = kc + 1 == kchunks ? 0 : kc + 1;
+            fetch();
+            if (c / 4 != group) {
+                flush();
+                qmm::Exl2::enter<4>(now_raw, lane / 4, st);
+                sf[0] = __low2float(st.scale[0]); sf[1] = __high2float(st.scale[0]);
+                sf[2] = __low2float(st.scale[1]); sf[3] = __high2float(st.scale[1]);
+                group = c / 4;
+            }
+            half2 a[16];
+            qmm::decode_pairs<4, qmm::Exl2>(w, st, a);
+            const uint2 xs[2] = {x0, x1};
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {            // a[8t + 2s (+1)]: column g of tile t, a[8t + 4 + 2s (+1)]: g + 8
+                    const half2 lo = exl::as_half2(xs[s].x), hi = exl::as_half2(xs[s].y);
+                    sum[2 * t] = __hfma2(a[8 * t + 2 * s], lo, __hfma2(a[8 * t + 2 * s + 1], hi, sum[2 * t]));
+                    sum[2 * t + 1] =
+                        __hfma2(a[8 * t + 4 + 2 * s], lo, __hfma2(a[8 * t + 4 + 2 * s + 1], hi, sum[2 * t + 1]));
+                }
+        }
+    }
+
+    __device__ float result()
+    {
+        flush();
+        return acc[0] + acc[1] + acc[2] + acc[3];
+    }
+};
+
 // Shares: op k's CTA c reads share[k] bytes at w + offset[k] + c * share[k]; slots of slot_bytes, `slots` of them,
 // in dynamic shared memory (then the consumer's own: EXL2 XS's x copy). counters[k] counts the CTAs done with op k
 // over all launches so far (gen of them before this one), so a launch waits for gen * G + G. flags[k]: WAITS (op k
@@ -242,14 +325,17 @@ MAX_SMEM = 227 * 1024           # dynamic shared memory a CTA may have (sm_90)
 
 def consumer_kernel(spec: str) -> tuple[str, int]:
     """A consumer spec -> (kernel name expression, consumer warps): w<WORK> (Synthetic), exl2 (the M1 chunk loop,
-    x from global memory), exl2-xs (x in shared memory); @N for N consumer warps (default 8)."""
+    x from global memory), exl2-xs (x in shared memory), exl2-fma (the chunks without MMAs); @N for N consumer warps
+    (default 8)."""
     kind, _, warps = spec.partition("@")
     n = int(warps or 8)
     if kind.startswith("w") and kind[1:].isdigit():
         return f"pipeline<Synthetic<{int(kind[1:])}, {n}>, {n}>", n
     if kind in ("exl2", "exl2-xs"):
         return f"pipeline<Exl2Chunks<{str(kind == 'exl2-xs').lower()}, {n}>, {n}>", n
-    raise SystemExit(f"unknown consumer {spec!r}: w<WORK>, exl2 or exl2-xs, optionally @<warps>")
+    if kind == "exl2-fma":
+        return f"pipeline<Exl2Fma<{n}>, {n}>", n
+    raise SystemExit(f"unknown consumer {spec!r}: w<WORK>, exl2, exl2-xs or exl2-fma, optionally @<warps>")
 
 
 def step_ops(shape: str, context: int) -> list[tuple[str, int]]:
@@ -299,7 +385,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--consumers", default="w0,w32,exl2,exl2-xs,exl2@16,exl2-xs@16",
+    ap.add_argument("--consumers", default="w0,w32,exl2,exl2-xs,exl2@16,exl2-xs@16,exl2-fma,exl2-fma@16",
                     help="w<WORK>: WORK x (LOP3 + HFMA2) per 16 bytes a lane; exl2: the one-row EXL2 chunk loop "
                          "(4-bit) with x from global memory, exl2-xs: from shared memory; @N: N consumer warps")
     ap.add_argument("--modes", default="free,after,ahead")
