@@ -9,6 +9,9 @@ a one-row matmul on the op before. Modes:
   ahead  the producer copies op k's weights while the consumers still wait for op k - 1 (the ring's depth ahead)
   after  the producer waits for op k - 1 too before copying op k (no weights across a dependency)
   free   no dependencies (the ceiling of this streaming with this work)
+  direct, direct-free  no producer: the consumers read the weights from global memory themselves, L2 prefetches
+         two slots ahead (the first two before the wait), as the launch-per-op M1 kernel does; with and without the
+         dependencies
 Consumers (--consumers; @N: N consumer warps, default 8):
   w<WORK>  WORK x (LOP3 + HFMA2) per 16 bytes a lane (32: about the one-row EXL2 matmul's instruction count)
   exl2     the one-row EXL2 kernel's own chunk loop (qmm::MatmulSink: 4-bit decode, MMAs, group scales) on the slots'
@@ -44,8 +47,9 @@ from exl_backends.kernels import loader  # noqa: E402
 SOURCE = r"""
 #include "qmm_rows.cuh"
 
-constexpr int MODE_AFTER = 1, MODE_FREE = 2;    // (0: ahead)
-constexpr int WAITS = 1, ADDS = 2;               // op flags: waits for the op before; ends adding into the residual
+constexpr int MODE_AFTER = 1, MODE_FREE = 2, MODE_DIRECT = 3, MODE_DIRECT_FREE = 4;    // (0: ahead)
+constexpr int WAITS = 1, ADDS = 2;
+constexpr int DIRECT_AHEAD = 2;                  // slots a direct mode prefetches ahead (the M1 kernel: 4 KB a warp)               // op flags: waits for the op before; ends adding into the residual
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -66,6 +70,21 @@ __device__ __forceinline__ int load_acquire(const int* p)
 __device__ __forceinline__ void wait_counter(const int* counter, int target)
 {
     while (load_acquire(counter) < target) __nanosleep(32);
+}
+
+// The lane's 16 bytes of 4-bit chunk j of a slot: from shared memory (the ring), or from global memory (the direct
+// modes: the slot is the weights' own bytes).
+__device__ __forceinline__ uint4 chunk_words(const unsigned char* data, int j, int lane)
+{
+    return reinterpret_cast<const uint4*>(data + 512 * j)[lane];
+}
+
+// The L2 prefetches of a direct mode: this consumer thread's share of the 128-byte lines of [p, p + bytes).
+template <int CONSUMERS>
+__device__ __forceinline__ void prefetch_slot(const unsigned char* p, int bytes, int cw, int lane)
+{
+    for (int l = cw * 32 + lane; l < bytes / 128; l += 32 * CONSUMERS)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * l));
 }
 
 // What the consumers read besides the ring (the EXL2 consumers' x, corrections and group records).
@@ -146,9 +165,12 @@ struct Exl2Chunks {
 
     __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
     {
-        for (int j = cw; j < bytes / 512; j += CONSUMERS) {
-            const uint4 v = reinterpret_cast<const uint4*>(data + 512 * j)[lane];
-            const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        const int chunks = bytes / 512;
+        uint4 v = cw < chunks ? chunk_words(data, cw, lane) : uint4{};
+        for (int j = cw; j < chunks; j += CONSUMERS) {
+            const uint4 now_v = v;
+            if (j + CONSUMERS < chunks) v = chunk_words(data, j + CONSUMERS, lane);     // the next, ahead
+            const unsigned w[4] = {now_v.x, now_v.y, now_v.z, now_v.w};
             const Sink::Extra now = ex;
             const qmm::Exl2::Raw now_raw = raw;
             const int c = kc;
@@ -210,9 +232,12 @@ struct Exl2Fma {
 
     __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
     {
-        for (int j = cw; j < bytes / 512; j += CONSUMERS) {
-            const uint4 v = reinterpret_cast<const uint4*>(data + 512 * j)[lane];
-            const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        const int chunks = bytes / 512;
+        uint4 v = cw < chunks ? chunk_words(data, cw, lane) : uint4{};
+        for (int j = cw; j < chunks; j += CONSUMERS) {
+            const uint4 now_v = v;
+            if (j + CONSUMERS < chunks) v = chunk_words(data, j + CONSUMERS, lane);     // the next, ahead
+            const unsigned w[4] = {now_v.x, now_v.y, now_v.z, now_v.w};
             const uint2 x0 = xn[0], x1 = xn[1];
             const qmm::Exl2::Raw now_raw = raw;
             const int c = kc;
@@ -271,8 +296,9 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncthreads();
 
+    const bool direct = mode >= MODE_DIRECT;
     if (warp == 0) {                                   // the producer: one lane issues every copy
-        if (lane) return;
+        if (lane || direct) return;
         int it = 0;
         for (int k = 0; k < n_ops; ++k) {
             if (mode == MODE_AFTER && k > 0 && (flags[k] & WAITS)) wait_counter(counters + k - 1, target);
@@ -295,14 +321,25 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
     consumer.start({x, corr, records, kchunks}, ring + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int k = 0; k < n_ops; ++k) {
-        if (mode != MODE_FREE && k > 0 && (flags[k] & WAITS)) {      // every CTA done with op k - 1
+        const unsigned char* src = w + offset[k] + (size_t)c * share[k];
+        if (direct)            // the op's first DIRECT_AHEAD slots into L2 before the wait (launch-per-op's prologue)
+            for (int off = 0; off < min(share[k], DIRECT_AHEAD * slot_bytes); off += slot_bytes)
+                prefetch_slot<CONSUMERS>(src + off, min(slot_bytes, share[k] - off), cw, lane);
+        if (mode != MODE_FREE && mode != MODE_DIRECT_FREE && k > 0 && (flags[k] & WAITS)) {   // all done with k - 1
             if (threadIdx.x == 32) wait_counter(counters + k - 1, target);
             asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         }
         for (int off = 0; off < share[k]; off += slot_bytes, ++it) {
+            const int n = min(slot_bytes, share[k] - off);
+            if (direct) {      // the weights straight from global memory, DIRECT_AHEAD slots prefetched ahead
+                const int ahead = off + DIRECT_AHEAD * slot_bytes;
+                if (ahead < share[k]) prefetch_slot<CONSUMERS>(src + ahead, min(slot_bytes, share[k] - ahead), cw, lane);
+                consumer.slot(src + off, n, cw, lane);
+                continue;
+            }
             const int slot = it % slots;
             bar_wait(smem_addr(full + slot), (it / slots) & 1);
-            consumer.slot(ring + (size_t)slot * slot_bytes, min(slot_bytes, share[k] - off), cw, lane);
+            consumer.slot(ring + (size_t)slot * slot_bytes, n, cw, lane);
             __syncwarp();
             if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + slot))
                                         : "memory");
@@ -318,7 +355,7 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
 }
 """
 
-MODES = {"ahead": 0, "after": 1, "free": 2}
+MODES = {"ahead": 0, "after": 1, "free": 2, "direct": 3, "direct-free": 4}
 WAITS, ADDS = 1, 2              # the kernel's op flags
 MAX_SMEM = 227 * 1024           # dynamic shared memory a CTA may have (sm_90)
 
@@ -388,7 +425,7 @@ def main() -> None:
     ap.add_argument("--consumers", default="w0,w32,exl2,exl2-xs,exl2@16,exl2-xs@16,exl2-fma,exl2-fma@16",
                     help="w<WORK>: WORK x (LOP3 + HFMA2) per 16 bytes a lane; exl2: the one-row EXL2 chunk loop "
                          "(4-bit) with x from global memory, exl2-xs: from shared memory; @N: N consumer warps")
-    ap.add_argument("--modes", default="free,after,ahead")
+    ap.add_argument("--modes", default="free,after,ahead,direct-free,direct")
     ap.add_argument("--layouts", default="5,3", help="all-to-all dependencies a layer: 5 (every op) or 3 (op_flags)")
     ap.add_argument("--slot-kb", type=int, default=16)
     ap.add_argument("--slots", type=int, default=12)
