@@ -130,3 +130,16 @@ def test_bench_json_is_the_results_form(dirs, tmp_path, monkeypatch, capsys):
         assert r["bound_tok_s"] == pytest.approx(info["device"]["copy_bandwidth"] / r["bytes"])
         assert f"decode ctx {r['context']} (fp16)" in out and f"{r['bound_tok_s']:10.1f}" in out
     assert f"wrote {path}" in out
+
+
+def test_bench_schedule_prints_the_planned_step_table(dirs, capsys):
+    """`exl bench --schedule` on the CPU: decode is launch-per-op there, and the pipelined megakernel's planned
+    table is printed in both layouts (an H100's SMs); a Mixtral model has no table."""
+    from exl_backends import cli
+    cli.main(["bench", "-m", str(dirs["llama"]), "--device", "cpu", "--schedule"])
+    out = capsys.readouterr().out
+    assert "launch-per-op" in out and "for 132 SMs (an H100's)" in out
+    assert "layout columns: 4 waits a layer on a whole op" in out and "layout tiles: 2 waits a layer" in out
+    assert "attention: 2 slices on 2 SMs" in out          # one per KV group of the tiny config
+    cli.main(["bench", "-m", str(dirs["mixtral"]), "--device", "cpu", "--schedule"])
+    assert "step table" not in capsys.readouterr().out

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..engine.generator import copy_to_host
 from ..kernels import megakernel
+from ..model import step_table
 from ..model.batch import Batch, SeqChunk
 from ..model.cache import KVCache, bytes_per_token
 from ..model.linear import Linear, QuantLinear
@@ -305,7 +306,22 @@ def load_report(model_dir: str, device: torch.device) -> list[str]:
 
 def decode_schedule(model: Model | TensorParallelModel) -> str:
     """How a one-sequence decode step runs its matmuls as megakernel launches (`exl bench --schedule`): one chained
-    step, the first two launches and the last in full (the ones between repeat the second's layout)."""
+    step, the first two launches and the last in full (the ones between repeat the second's layout); then the
+    pipelined megakernel's planned step table (model/step_table.py) for this model, in both layouts."""
+    return _segment_schedule(model) + _planned_tables(model)
+
+
+def _planned_tables(model: Model | TensorParallelModel) -> str:
+    if not isinstance(model, Model) or step_table.supported(model) is not None:
+        return ""
+    sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 132
+    tables = [step_table.describe(step_table.build(model.config, sms, layout)) for layout in step_table.LAYOUTS]
+    return ("\n\nthe pipelined megakernel's step table (planned, docs/megakernel.md; run today only by its CPU "
+            f"interpreter), for {sms} SMs" + ("" if model.device.type == "cuda" else " (an H100's)") + ":\n"
+            + "\n".join(tables))
+
+
+def _segment_schedule(model: Model | TensorParallelModel) -> str:
     if not (isinstance(model, Model) and megakernel.enabled(model.device) and model.chainable()):
         return ("decode runs launch-per-op on this model: the megakernel needs one GPU of compute capability 9.0+, "
                 "EXL2 weights, a Llama-family block, and EXL_MEGAKERNEL=1 (it is off by default)")
