@@ -87,6 +87,68 @@ __device__ __forceinline__ void prefetch_slot(const unsigned char* p, int bytes,
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * l));
 }
 
+// Calls f(w) with the lane's words of each 4-bit chunk of a slot that warp cw takes (piece j to warp j % CONSUMERS),
+// the next chunk's words loaded before f runs on the current one.
+template <int CONSUMERS, class F>
+__device__ __forceinline__ void for_my_chunks(const unsigned char* data, int bytes, int cw, int lane, F f)
+{
+    const int chunks = bytes / 512;
+    uint4 v = cw < chunks ? chunk_words(data, cw, lane) : uint4{};
+    for (int j = cw; j < chunks; j += CONSUMERS) {
+        const uint4 now = v;
+        if (j + CONSUMERS < chunks) v = chunk_words(data, j + CONSUMERS, lane);
+        const unsigned w[4] = {now.x, now.y, now.z, now.w};
+        f(w);
+    }
+}
+
+// The weight ring: `slots` slots of slot_bytes at the start of dynamic shared memory, a full and an empty mbarrier
+// each. The producer fills slots in order and the consumers drain them in the same order (`it`: slots used so far).
+struct Ring {
+    unsigned char* data;
+    unsigned long long* full;
+    unsigned long long* empty;
+    int slot_bytes, slots;
+
+    __device__ void init(int consumers) const          // every thread; the caller then synchronises the block
+    {
+        if (threadIdx.x < slots) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + threadIdx.x)) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + threadIdx.x)),
+                         "r"(consumers) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+
+    // The producer's lane: `bytes` at src into the next slots, each as soon as the consumers have released it.
+    __device__ void fill(const unsigned char* src, int bytes, int& it) const
+    {
+        for (int off = 0; off < bytes; off += slot_bytes, ++it) {
+            const int slot = it % slots, n = min(slot_bytes, bytes - off);
+            bar_wait(smem_addr(empty + slot), ((it / slots) & 1) ^ 1);
+            const unsigned f = smem_addr(full + slot);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(f), "r"(n) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         ::"r"(smem_addr(data + (size_t)slot * slot_bytes)), "l"(src + off), "r"(n), "r"(f)
+                         : "memory");
+        }
+    }
+
+    // A consumer warp: the next slots holding `bytes`, each to f(its data, its bytes) once full, then released.
+    template <class F>
+    __device__ void drain(int bytes, int& it, int lane, F f) const
+    {
+        for (int off = 0; off < bytes; off += slot_bytes, ++it) {
+            const int slot = it % slots;
+            bar_wait(smem_addr(full + slot), (it / slots) & 1);
+            f(data + (size_t)slot * slot_bytes, min(slot_bytes, bytes - off));
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + slot))
+                                        : "memory");
+        }
+    }
+};
+
 // What the consumers read besides the ring (the EXL2 consumers' x, corrections and group records).
 struct Inputs {
     const half* x;              // [K] in stored order (stage_xs's output for one row)
@@ -165,19 +227,14 @@ struct Exl2Chunks {
 
     __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
     {
-        const int chunks = bytes / 512;
-        uint4 v = cw < chunks ? chunk_words(data, cw, lane) : uint4{};
-        for (int j = cw; j < chunks; j += CONSUMERS) {
-            const uint4 now_v = v;
-            if (j + CONSUMERS < chunks) v = chunk_words(data, j + CONSUMERS, lane);     // the next, ahead
-            const unsigned w[4] = {now_v.x, now_v.y, now_v.z, now_v.w};
+        for_my_chunks<CONSUMERS>(data, bytes, cw, lane, [&](const unsigned (&w)[4]) {
             const Sink::Extra now = ex;
             const qmm::Exl2::Raw now_raw = raw;
             const int c = kc;
             kc = kc + 1 == kchunks ? 0 : kc + 1;
             fetch();
             sink.template chunk<4>(w, c / 4, now_raw, c, now);
-        }
+        });
     }
 
     __device__ float result()
@@ -232,13 +289,8 @@ struct Exl2Fma {
 
     __device__ void slot(const unsigned char* data, int bytes, int cw, int lane)
     {
-        const int chunks = bytes / 512;
-        uint4 v = cw < chunks ? chunk_words(data, cw, lane) : uint4{};
-        for (int j = cw; j < chunks; j += CONSUMERS) {
-            const uint4 now_v = v;
-            if (j + CONSUMERS < chunks) v = chunk_words(data, j + CONSUMERS, lane);     // the next, ahead
-            const unsigned w[4] = {now_v.x, now_v.y, now_v.z, now_v.w};
-            const uint2 x0 = xn[0], x1 = xn[1];
+        for_my_chunks<CONSUMERS>(data, bytes, cw, lane, [&](const unsigned (&w)[4]) {
+            const uint2 xs[2] = {xn[0], xn[1]};
             const qmm::Exl2::Raw now_raw = raw;
             const int c = kc;
             kc = kc + 1 == kchunks ? 0 : kc + 1;
@@ -252,17 +304,16 @@ struct Exl2Fma {
             }
             half2 a[16];
             qmm::decode_pairs<4, qmm::Exl2>(w, st, a);
-            const uint2 xs[2] = {x0, x1};
 #pragma unroll
             for (int t = 0; t < 2; ++t)
 #pragma unroll
-                for (int s = 0; s < 2; ++s) {            // a[8t + 2s (+1)]: column g of tile t, a[8t + 4 + 2s (+1)]: g + 8
+                for (int s = 0; s < 2; ++s) {        // a[8t + 2s (+1)]: column g of tile t, a[8t + 4 + 2s (+1)]: g + 8
                     const half2 lo = exl::as_half2(xs[s].x), hi = exl::as_half2(xs[s].y);
                     sum[2 * t] = __hfma2(a[8 * t + 2 * s], lo, __hfma2(a[8 * t + 2 * s + 1], hi, sum[2 * t]));
                     sum[2 * t + 1] =
                         __hfma2(a[8 * t + 4 + 2 * s], lo, __hfma2(a[8 * t + 4 + 2 * s + 1], hi, sum[2 * t + 1]));
                 }
-        }
+        });
     }
 
     __device__ float result()
@@ -284,16 +335,12 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
          const int* __restrict__ flags, int n_ops, int slot_bytes, int slots, int* counters, int gen, int mode,
          float* out, float* resid, int hidden, const half* x, const float2* corr, const unsigned* records, int kchunks)
 {
-    extern __shared__ __align__(128) unsigned char ring[];
+    extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[32], empty[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = gridDim.x, c = blockIdx.x;
     const int target = (gen + 1) * G;
-    if (threadIdx.x < slots) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + threadIdx.x)) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + threadIdx.x)), "r"(CONSUMERS)
-                     : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const Ring ring{smem, full, empty, slot_bytes, slots};
+    ring.init(CONSUMERS);
     __syncthreads();
 
     const bool direct = mode >= MODE_DIRECT;
@@ -302,23 +349,14 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
         int it = 0;
         for (int k = 0; k < n_ops; ++k) {
             if (mode == MODE_AFTER && k > 0 && (flags[k] & WAITS)) wait_counter(counters + k - 1, target);
-            const unsigned char* src = w + offset[k] + (size_t)c * share[k];
-            for (int off = 0; off < share[k]; off += slot_bytes, ++it) {
-                const int slot = it % slots, n = min(slot_bytes, share[k] - off);
-                bar_wait(smem_addr(empty + slot), ((it / slots) & 1) ^ 1);
-                const unsigned f = smem_addr(full + slot);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(f), "r"(n) : "memory");
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             ::"r"(smem_addr(ring + (size_t)slot * slot_bytes)), "l"(src + off), "r"(n), "r"(f)
-                             : "memory");
-            }
+            ring.fill(w + offset[k] + (size_t)c * share[k], share[k], it);
         }
         return;
     }
 
     const int cw = warp - 1;                           // consumers
     Consumer consumer;
-    consumer.start({x, corr, records, kchunks}, ring + (size_t)slots * slot_bytes, lane);
+    consumer.start({x, corr, records, kchunks}, smem + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int k = 0; k < n_ops; ++k) {
         const unsigned char* src = w + offset[k] + (size_t)c * share[k];
@@ -329,21 +367,14 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
             if (threadIdx.x == 32) wait_counter(counters + k - 1, target);
             asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         }
-        for (int off = 0; off < share[k]; off += slot_bytes, ++it) {
-            const int n = min(slot_bytes, share[k] - off);
-            if (direct) {      // the weights straight from global memory, DIRECT_AHEAD slots prefetched ahead
+        if (direct)            // the weights straight from global memory, DIRECT_AHEAD slots prefetched ahead
+            for (int off = 0; off < share[k]; off += slot_bytes) {
                 const int ahead = off + DIRECT_AHEAD * slot_bytes;
                 if (ahead < share[k]) prefetch_slot<CONSUMERS>(src + ahead, min(slot_bytes, share[k] - ahead), cw, lane);
-                consumer.slot(src + off, n, cw, lane);
-                continue;
+                consumer.slot(src + off, min(slot_bytes, share[k] - off), cw, lane);
             }
-            const int slot = it % slots;
-            bar_wait(smem_addr(full + slot), (it / slots) & 1);
-            consumer.slot(ring + (size_t)slot * slot_bytes, n, cw, lane);
-            __syncwarp();
-            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + slot))
-                                        : "memory");
-        }
+        else
+            ring.drain(share[k], it, lane, [&](const unsigned char* data, int n) { consumer.slot(data, n, cw, lane); });
         // the op's partials (as a split-K matmul's), then this CTA's arrival
         const float partial = consumer.result();
         out[((size_t)k * G + c) * 32 * CONSUMERS + cw * 32 + lane] = partial;
@@ -403,19 +434,24 @@ def op_flags(ops: list[tuple[str, int]], layout: int) -> list[int]:
     raise SystemExit(f"--layouts: 5 or 3, not {layout}")
 
 
+def median_us(run, launches: int) -> float:
+    """The median time of run(i) for i in range(launches), each between two events, the first 3 left out."""
+    times = []
+    for i in range(launches):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        run(i)
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    return float(np.median(times[3:]))
+
+
 def copy_bandwidth() -> float:
     a = cp.empty(2 * 1024**3, dtype=cp.uint8)
     b = cp.empty_like(a)
-    times = []
-    for _ in range(13):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        b[...] = a
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    del a, b
-    return 2 * 2 * 1024**3 / sorted(times[3:])[len(times[3:]) // 2]
+    us = median_us(lambda _: b.__setitem__(Ellipsis, a), 13)
+    return 2 * 2 * 1024**3 / us * 1e6
 
 
 def main() -> None:
@@ -474,25 +510,16 @@ def main() -> None:
                 out = cp.empty(len(ops) * G * 32 * warps, dtype=cp.float32)
                 for mode in args.modes.split(","):
                     counters = cp.zeros(len(ops), dtype=cp.int32)
-                    times = []
-                    for gen in range(args.launches):
-                        start, end = cp.cuda.Event(), cp.cuda.Event()
-                        start.record()
-                        kernel((G,), (32 * (warps + 1),),
-                               (w, d_off, d_share, flags, np.int32(len(ops)), np.int32(slot_bytes),
-                                np.int32(args.slots), counters, np.int32(gen), np.int32(MODES[mode]), out, resid,
-                                np.int32(resid.size), x, corr, records, np.int32(kchunks)),
-                               shared_mem=smem)
-                        end.record()
-                        end.synchronize()
-                        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-                    us = float(np.median(times[3:]))
+                    us = median_us(lambda gen: kernel(
+                        (G,), (32 * (warps + 1),),
+                        (w, d_off, d_share, flags, np.int32(len(ops)), np.int32(slot_bytes), np.int32(args.slots),
+                         counters, np.int32(gen), np.int32(MODES[mode]), out, resid, np.int32(resid.size), x, corr,
+                         records, np.int32(kchunks)), shared_mem=smem), args.launches)
                     row = dict(shape=shape, context=args.context, layout=layout, mode=mode, consumer=spec,
                                us=round(us, 1), tb_s=round(total / us / 1e6, 3), share=round(bound_us / us, 3),
                                bytes=total, slots=args.slots, slot_kb=args.slot_kb)
                     rows.append(row)
                     print(f"{layout:6} {mode:8} {spec:>12} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
-        del w
     if args.json:
         info = run_info(torch.device("cuda"), bw, rows, sms=G)
         Path(result_path(str(args.json), "pipeline", info)).write_text(json.dumps(info, indent=1))

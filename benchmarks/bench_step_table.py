@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import MAX_SMEM, SOURCE as PIPELINE_SOURCE, consumer_kernel, copy_bandwidth  # noqa: E402
+from bench_pipeline import MAX_SMEM, SOURCE as PIPELINE_SOURCE, consumer_kernel, copy_bandwidth, median_us  # noqa: E402,E501
 from shapes import SHAPES, config_for  # noqa: E402
 
 from exl_backends.commands.bench import result_path, run_info  # noqa: E402
@@ -33,29 +33,27 @@ SOURCE = PIPELINE_SOURCE + r"""
 // counters it adds one to, sig[sig0 .. + nsig), and the floats it adds into the residual (a tile's partial sum).
 struct Entry { int off16, bytes, wait0, nwait, sig0, nsig, adds, pad; };
 
-__device__ __forceinline__ void wait_all(const Entry& e, const int* wait_k, const int* wait_v, const int* counters)
+// The counters count over all launches so far, gen of them before this one: a wait for v is one for (gen + 1) v.
+__device__ __forceinline__ void wait_all(const Entry& e, const int* wait_k, const int* wait_v, const int* counters,
+                                         int gen)
 {
-    for (int i = e.wait0; i < e.wait0 + e.nwait; ++i) wait_counter(counters + wait_k[i], wait_v[i]);
+    for (int i = e.wait0; i < e.wait0 + e.nwait; ++i) wait_counter(counters + wait_k[i], (gen + 1) * wait_v[i]);
 }
 
-// CTA c runs entries[first[c] .. first[c + 1]). Counters start at zero each launch.
+// CTA c runs entries[first[c] .. first[c + 1]).
 template <class Consumer, int CONSUMERS>
 __global__ void __launch_bounds__(32 * (CONSUMERS + 1), 1)
 table_step(const unsigned char* __restrict__ w, const Entry* __restrict__ entries, const int* __restrict__ first,
            const int* __restrict__ wait_k, const int* __restrict__ wait_v, const int* __restrict__ sig,
-           int slot_bytes, int slots, int* counters, int mode, float* out, float* resid, int hidden,
+           int slot_bytes, int slots, int* counters, int gen, int mode, float* out, float* resid, int hidden,
            const half* x, const float2* corr, const unsigned* records, int kchunks)
 {
-    extern __shared__ __align__(128) unsigned char ring[];
+    extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[32], empty[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = blockIdx.x;
     const int e0 = first[c], e1 = first[c + 1];
-    if (threadIdx.x < slots) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + threadIdx.x)) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + threadIdx.x)), "r"(CONSUMERS)
-                     : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const Ring ring{smem, full, empty, slot_bytes, slots};
+    ring.init(CONSUMERS);
     __syncthreads();
 
     if (warp == 0) {                                   // the producer
@@ -63,39 +61,23 @@ table_step(const unsigned char* __restrict__ w, const Entry* __restrict__ entrie
         int it = 0;
         for (int i = e0; i < e1; ++i) {
             const Entry e = entries[i];
-            if (mode == MODE_AFTER) wait_all(e, wait_k, wait_v, counters);
-            const unsigned char* src = w + 16 * (size_t)e.off16;
-            for (int off = 0; off < e.bytes; off += slot_bytes, ++it) {
-                const int slot = it % slots, n = min(slot_bytes, e.bytes - off);
-                bar_wait(smem_addr(empty + slot), ((it / slots) & 1) ^ 1);
-                const unsigned f = smem_addr(full + slot);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(f), "r"(n) : "memory");
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             ::"r"(smem_addr(ring + (size_t)slot * slot_bytes)), "l"(src + off), "r"(n), "r"(f)
-                             : "memory");
-            }
+            if (mode == MODE_AFTER) wait_all(e, wait_k, wait_v, counters, gen);
+            ring.fill(w + 16 * (size_t)e.off16, e.bytes, it);
         }
         return;
     }
 
     const int cw = warp - 1;
     Consumer consumer;
-    consumer.start({x, corr, records, kchunks}, ring + (size_t)slots * slot_bytes, lane);
+    consumer.start({x, corr, records, kchunks}, smem + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int i = e0; i < e1; ++i) {
         const Entry e = entries[i];
         if (mode != MODE_FREE) {
-            if (threadIdx.x == 32) wait_all(e, wait_k, wait_v, counters);
+            if (threadIdx.x == 32) wait_all(e, wait_k, wait_v, counters, gen);
             asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
         }
-        for (int off = 0; off < e.bytes; off += slot_bytes, ++it) {
-            const int slot = it % slots;
-            bar_wait(smem_addr(full + slot), (it / slots) & 1);
-            consumer.slot(ring + (size_t)slot * slot_bytes, min(slot_bytes, e.bytes - off), cw, lane);
-            __syncwarp();
-            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + slot))
-                                        : "memory");
-        }
+        ring.drain(e.bytes, it, lane, [&](const unsigned char* data, int n) { consumer.slot(data, n, cw, lane); });
         const float partial = consumer.result();
         out[(size_t)c * 32 * CONSUMERS + cw * 32 + lane] = partial;
         for (int j = cw * 32 + lane; j < e.adds; j += 32 * CONSUMERS) atomicAdd(resid + j % hidden, partial);
@@ -186,27 +168,19 @@ def main() -> None:
                 kernel.max_dynamic_shared_size_bytes = smem
                 out = cp.empty(G * 32 * warps, dtype=cp.float32)
                 for mode in args.modes.split(","):
-                    times = []
-                    for _ in range(args.launches):
-                        counters.fill(0)
-                        start, end = cp.cuda.Event(), cp.cuda.Event()
-                        start.record()
-                        kernel((G,), (32 * (warps + 1),),
-                               (w, d["entries"], d["first"], d["wait_k"], d["wait_v"], d["sig"], np.int32(slot_bytes),
-                                np.int32(args.slots), counters, np.int32(MODES[mode]), out, resid,
-                                np.int32(config.hidden_size), x, corr, records, np.int32(kchunks)),
-                               shared_mem=smem)
-                        end.record()
-                        end.synchronize()
-                        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-                    us = float(np.median(times[3:]))
+                    counters.fill(0)
+                    us = median_us(lambda gen: kernel(
+                        (G,), (32 * (warps + 1),),
+                        (w, d["entries"], d["first"], d["wait_k"], d["wait_v"], d["sig"], np.int32(slot_bytes),
+                         np.int32(args.slots), counters, np.int32(gen), np.int32(MODES[mode]), out, resid,
+                         np.int32(config.hidden_size), x, corr, records, np.int32(kchunks)), shared_mem=smem),
+                        args.launches)
                     rows.append(dict(shape=shape, layout=layout, context=args.context, mode=mode, consumer=spec,
                                      us=round(us, 1), tb_s=round(flat["bytes"] / us / 1e6, 3),
                                      share=round(bound_us / us, 3), bytes=flat["bytes"], slices=len(table.slices),
                                      whole_waits=whole, part_waits=part))
                     print(f"{mode:8} {spec:>12} {us:9.1f} {flat['bytes'] / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
-            del w
-    if args.json:
+        if args.json:
         info = run_info(torch.device("cuda"), bw, rows, sms=G)
         Path(result_path(str(args.json), "step-table", info)).write_text(json.dumps(info, indent=1))
 

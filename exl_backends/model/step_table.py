@@ -354,10 +354,14 @@ class Interpreter:
         self.attn[g * per_group * hd:(g + 1) * per_group * hd] = out.reshape(-1)
 
     def _o(self, s: Slice) -> None:
+        self._project(s, "o", self.attn, 2 * s.layer + 1)
+
+    def _project(self, s: Slice, name: str, x: Tensor, v: int) -> None:
+        """o or down: the slice's columns (of its input rows, a tile) into residual version v."""
         w = self.w.layers[s.layer]
         rows = slice(*s.rows) if s.rows else slice(None)
-        bias = w["o_bias"][s.lo:s.hi] if s.rows is None or s.carries else 0.0
-        self._produce(s, 2 * s.layer + 1, w["o"][s.lo:s.hi, rows] @ self.attn[rows] + bias)
+        bias = w[name + "_bias"][s.lo:s.hi] if s.rows is None or s.carries else 0.0
+        self._produce(s, v, w[name][s.lo:s.hi, rows] @ x[rows] + bias)
 
     def _gate_up(self, s: Slice) -> None:
         w = self.w.layers[s.layer]
@@ -365,10 +369,7 @@ class Interpreter:
         self.act[s.lo:s.hi] = reference.silu_mul(w["gate"][s.lo:s.hi] @ x, w["up"][s.lo:s.hi] @ x)
 
     def _down(self, s: Slice) -> None:
-        w = self.w.layers[s.layer]
-        rows = slice(*s.rows) if s.rows else slice(None)
-        bias = w["down_bias"][s.lo:s.hi] if s.rows is None or s.carries else 0.0
-        self._produce(s, 2 * s.layer + 2, w["down"][s.lo:s.hi, rows] @ self.act[rows] + bias)
+        self._project(s, "down", self.act, 2 * s.layer + 2)
 
     def _head(self, s: Slice) -> None:
         x = self._normed(2 * self.config.n_layers, self.w.norm)
