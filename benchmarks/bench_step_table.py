@@ -180,7 +180,7 @@ def main() -> None:
                                      share=round(bound_us / us, 3), bytes=flat["bytes"], slices=len(table.slices),
                                      whole_waits=whole, part_waits=part))
                     print(f"{mode:8} {spec:>12} {us:9.1f} {flat['bytes'] / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
-        if args.json:
+    if args.json:
         info = run_info(torch.device("cuda"), bw, rows, sms=G)
         Path(result_path(str(args.json), "step-table", info)).write_text(json.dumps(info, indent=1))
 
