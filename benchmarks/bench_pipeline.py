@@ -389,6 +389,7 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
 MODES = {"ahead": 0, "after": 1, "free": 2, "direct": 3, "direct-free": 4}
 WAITS, ADDS = 1, 2              # the kernel's op flags
 MAX_SMEM = 227 * 1024           # dynamic shared memory a CTA may have (sm_90)
+CONSUMERS = "w0,w32,exl2,exl2-xs,exl2@16,exl2-xs@16,exl2-fma,exl2-fma@16"     # every kind, the default
 
 
 def consumer_kernel(spec: str) -> tuple[str, int]:
@@ -458,7 +459,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--consumers", default="w0,w32,exl2,exl2-xs,exl2@16,exl2-xs@16,exl2-fma,exl2-fma@16",
+    ap.add_argument("--consumers", default=CONSUMERS,
                     help="w<WORK>: WORK x (LOP3 + HFMA2) per 16 bytes a lane; exl2: the one-row EXL2 chunk loop "
                          "(4-bit) with x from global memory, exl2-xs: from shared memory; @N: N consumer warps")
     ap.add_argument("--modes", default="free,after,ahead,direct-free,direct")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,8 @@ def cuda_include_dir() -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("source", SOURCES)
-def test_nvrtc_compiles(source, arch):
+def nvrtc_or_skip():
+    """CuPy's NVRTC binding and the CUDA include dir, or the test skips."""
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (NVRTC) not installed")
     include = cuda_include_dir()
     if include is None:
@@ -54,9 +54,14 @@ def test_nvrtc_compiles(source, arch):
         nvrtc.getVersion()
     except Exception as e:     # CuPy installed, NVRTC library not loadable here
         pytest.skip(f"NVRTC not loadable: {e}")
-    code = f'#line 1 "{source}"\n' + (KERNEL_DIR / source).read_text()      # as loader.module() compiles it
-    options = ["-std=c++17", f"-I{KERNEL_DIR}", f"-I{include}", f"--gpu-architecture={arch}", "--use_fast_math"]
-    prog = nvrtc.createProgram(code, source, [], [])
+    return nvrtc, include
+
+
+def nvrtc_compile(nvrtc, code: str, name: str, options: list[str], expressions: list[str] = ()) -> str:
+    """Compiles code (and instantiates the name expressions); fails the test with NVRTC's log, else returns it."""
+    prog = nvrtc.createProgram(code, name, [], [])
+    for e in expressions:
+        nvrtc.addNameExpression(prog, e)
     try:
         nvrtc.compileProgram(prog, options)
     except nvrtc.NVRTCError:
@@ -64,7 +69,31 @@ def test_nvrtc_compiles(source, arch):
     finally:
         log = nvrtc.getProgramLog(prog)
         nvrtc.destroyProgram(prog)
+    return log
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvrtc_compiles(source, arch):
+    nvrtc, include = nvrtc_or_skip()
+    code = f'#line 1 "{source}"\n' + (KERNEL_DIR / source).read_text()      # as loader.module() compiles it
+    options = ["-std=c++17", f"-I{KERNEL_DIR}", f"-I{include}", f"--gpu-architecture={arch}", "--use_fast_math"]
+    log = nvrtc_compile(nvrtc, code, source, options)
     assert "warning" not in log.lower(), log
+
+
+def test_persistent_benchmarks_compile():
+    """bench_pipeline's and bench_step_table's inline kernels, with every consumer, compile with NVRTC for sm_90a
+    (their options on the device): they run only there, so a broken one would cost a GPU call to find."""
+    nvrtc, include = nvrtc_or_skip()
+    sys.path.insert(0, str(KERNEL_DIR.parents[1] / "benchmarks"))
+    import bench_pipeline
+    import bench_step_table
+    options = ["-std=c++17", f"-I{KERNEL_DIR}", f"-I{include}", "--gpu-architecture=sm_90a"]
+    kernels = [bench_pipeline.consumer_kernel(spec)[0] for spec in bench_pipeline.CONSUMERS.split(",")]
+    nvrtc_compile(nvrtc, bench_pipeline.SOURCE, "bench_pipeline.cu", options, kernels)
+    nvrtc_compile(nvrtc, bench_step_table.SOURCE, "bench_step_table.cu", options,
+                  [k.replace("pipeline<", "table_step<", 1) for k in kernels])
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
