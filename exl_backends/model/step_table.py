@@ -97,14 +97,13 @@ class _Builder:
         self.ready: tuple[int, int] | None = None    # the residual version the next op reads is complete
 
     def add(self, op: str, layer: int, lo: int, hi: int, waits, signals, k: int, n: int, sm: int | None = None,
-            **tile) -> Slice:
-        """A slice of k x n weights; on `sm`, else on the SM after the last one given (round robin)."""
+            bits: float | None = None, **tile) -> None:
+        """A slice of k x n weights (at `bits`, default the table's); on `sm`, else on the SM after the last one
+        given (round robin)."""
         if sm is None:
             sm, self.next_sm = self.next_sm, (self.next_sm + 1) % self.sms
-        s = Slice(op, layer, lo, hi, sm, tuple(w for w in waits if w), tuple(signals), int(k * n * self.bits / 8),
-                  **tile)
-        self.slices.append(s)
-        return s
+        nbytes = int(k * n * (bits or self.bits) / 8)
+        self.slices.append(Slice(op, layer, lo, hi, sm, tuple(w for w in waits if w), tuple(signals), nbytes, **tile))
 
     def layer(self, i: int) -> None:
         c = self.c
@@ -179,11 +178,11 @@ class _Builder:
                          rows=rows, carries=b == 0)
         self.ready = (down_done, len(bands) * len(cols))
 
-    def head(self, head_bits: float) -> None:
+    def head(self, bits: float) -> None:
         c, done = self.c, self.counters.new("head")
-        self.next_sm, self.bits = 0, head_bits
+        self.next_sm = 0
         for lo, hi in ranges(c.vocab_size, self.sms):
-            self.add("head", c.n_layers, lo, hi, [self.ready], [done], c.hidden_size, hi - lo)
+            self.add("head", c.n_layers, lo, hi, [self.ready], [done], c.hidden_size, hi - lo, bits=bits)
 
 
 def build(config: ModelConfig, sms: int, layout: str = "columns", bits: float = 4.0,
