@@ -139,7 +139,7 @@ def test_bench_schedule_prints_the_planned_step_table(dirs, capsys):
     cli.main(["bench", "-m", str(dirs["llama"]), "--device", "cpu", "--schedule"])
     out = capsys.readouterr().out
     assert "launch-per-op" in out and "for 132 SMs (an H100's)" in out
-    assert "layout columns: 4 waits a layer on a whole op" in out and "layout tiles: 2 waits a layer" in out
+    assert "layout columns: 5 waits a layer on a whole op" in out and "layout tiles-fine: 2 waits a layer" in out
     assert "attention: 2 slices on 2 SMs" in out          # one per KV group of the tiny config
     cli.main(["bench", "-m", str(dirs["mixtral"]), "--device", "cpu", "--schedule"])
     assert "step table" not in capsys.readouterr().out

@@ -73,15 +73,15 @@ def test_a_missing_wait_gives_wrong_logits(model):
     assert not torch.allclose(ours, expected_logits(model, ids), rtol=0, atol=1e-3)
 
 
-def test_tiles_need_the_ring_of_residuals(model):
-    """The tiles' o slices add into the residual right after their own group's attention, while other groups'
+def test_fine_tiles_need_the_ring_of_residuals(model):
+    """tiles-fine's o tiles add into the residual right after their own group's attention, while other groups'
     q/k/v slices may still be reading it. With one residual updated in place, the step is right when the slices run
     one after another in table order (one SM) and wrong when they run on several: the race the ring prevents."""
     ids = ids_for(model)
     ref = expected_logits(model, ids)
 
     def in_place(sms: int) -> torch.Tensor:
-        run = Interpreter(build(model.model.config, sms, "tiles"), model.model, len(ids))
+        run = Interpreter(build(model.model.config, sms, "tiles-fine"), model.model, len(ids))
         run._version = lambda v: run.ring[0]
 
         def add(s, v, delta):
@@ -106,7 +106,7 @@ def test_the_tables_structure():
     output once and whose carrying tiles cover the residual once, and the step's bytes."""
     config = type("Config", (), dict(head_dim=64, n_heads=32, n_kv_heads=8, hidden_size=2048,
                                     intermediate_size=8192, n_layers=16, vocab_size=128256))()
-    for layout, waits in (("columns", (4, 1)), ("tiles", (2, 3))):
+    for layout, waits in (("columns", (5, 0)), ("tiles", (5, 0)), ("tiles-fine", (2, 3))):
         table = build(config, 132, layout)
         assert step_table.whole_op_waits(table, 1) == waits
         layer = [s for s in table.slices if s.layer == 1]
@@ -117,11 +117,11 @@ def test_the_tables_structure():
                 covered[slice(*s.rows) if s.rows else slice(None), s.lo:s.hi] += 1
             assert bool((covered == 1).all())
             carried = sum(s.hi - s.lo for s in ss if s.carries)
-            assert carried == (2048 if layout == "tiles" else 0)
+            assert carried == (0 if layout == "columns" else 2048)
         assert len({s.sm for s in layer if s.op == "o"}) == (64 if layout == "columns" else 128)
         weights = sum(s.weight_bytes for s in table.slices)
         assert abs(weights / 0.69e9 - 1) < 0.03         # the 1B step's bytes at 4.0 bpw, a 6-bit head
-    text = describe(build(config, 132, "tiles"))
+    text = describe(build(config, 132, "tiles-fine"))
     assert "2 waits a layer on a whole op, 3 on part of one" in text and "attention: 8 slices on 8 SMs" in text
 
 

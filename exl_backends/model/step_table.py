@@ -5,19 +5,21 @@ is what the pipelined megakernel is to run; `Interpreter` is its CPU interpreter
 the SMs' queues in any order the counters allow (random orders in the tests) and must give the model's logits, so a
 missing wait shows up as wrong logits, a wait that is never met as an error.
 
-Two layouts. "columns" (today's launch-per-op, as one table): every matmul split by output columns, each slice
-waiting for its whole input. "tiles": o and down split by input rows too, each tile waiting only for the producers
-of its rows and adding its partial sum into the residual (float atomics in a kernel), so that only the two norms of
-the residual wait for every SM. The ops of layer i:
+Three layouts. "columns" (today's launch-per-op, as one table): every matmul split by output columns, every slice
+waiting for the whole op before it (5 waits a layer). "tiles": o and down split by input rows too, so that every SM
+gets a tile at the 1B shape, their partial sums added into the residual (float atomics in a kernel); the same waits.
+"tiles-fine": the same tiles, each waiting only for the producers of the rows it reads, so that only the two norms
+of the residual wait for every SM (2 waits a layer on a whole op, 3 on part of one). The ops of layer i:
   qkv        columns of q|k|v (whole strips of 32), the input norm of residual R(2i) in each slice; waits for R(2i)
-  attention  one KV head group: q/k norms, RoPE, K/V into the cache, attention over it; waits only for the qkv
-             slices whose columns hold that group's heads (a counter per group)
+  attention  one KV head group: q/k norms, RoPE, K/V into the cache, attention over it; waits for every qkv slice
+             (tiles-fine: only for those whose columns hold the group's heads)
   o          columns: columns of the hidden size, R(2i+1) = R(2i) + o(attn) there; waits for every group.
-             tiles: (a group's head rows, a column range); waits for that group's attention
+             tiles: (a group's head rows, a column range); waits for every group (tiles-fine: its own)
   gate_up    a range of intermediate rows: the post-attention norm of R(2i+1), gate and up of the same rows,
              silu(gate) * up written there; waits for R(2i+1)
   down       columns: columns of the hidden size, R(2i+2) = R(2i+1) + down(act) there; waits for every gate_up slice.
-             tiles: (a band of intermediate rows, a column range); waits for the gate_up slices of its band
+             tiles: (a band of intermediate rows, a column range); waits for every gate_up slice (tiles-fine: those
+             of its band)
   head       columns of the vocabulary after the final norm of R(2L); waits for R(2L)
 Residual versions R(v) live in a ring of three buffers: R(v)'s producers run only after R(v - 1) is complete, and
 then no one reads R(v - 2) any more (its readers all come before R(v - 1)'s producers), so R(v + 1) may take its
@@ -38,7 +40,7 @@ from . import reference
 from .config import Activation, ModelConfig
 from .mlp import Mlp
 
-LAYOUTS = ("columns", "tiles")
+LAYOUTS = ("columns", "tiles", "tiles-fine")
 STRIP = 32                      # columns a slice holds a multiple of (the kernels' strip)
 
 
@@ -105,6 +107,12 @@ class _Builder:
         nbytes = int(k * n * (bits or self.bits) / 8)
         self.slices.append(Slice(op, layer, lo, hi, sm, tuple(w for w in waits if w), tuple(signals), nbytes, **tile))
 
+    def done(self, name: str, parts: int) -> list[int]:
+        """Counters for an op's slices: one a part (KV group, band) in tiles-fine, else one for the whole op."""
+        if self.layout == "tiles-fine":
+            return [self.counters.new(f"{name} of part {p}") for p in range(parts)]
+        return [self.counters.new(name)] * parts
+
     def layer(self, i: int) -> None:
         c = self.c
         hd, groups = c.head_dim, c.n_kv_heads
@@ -114,36 +122,35 @@ class _Builder:
         def group_of(col: int) -> int:        # the KV head group of a q|k|v column
             return col // hd // per_group if col < q_cols else (col - q_cols) % kv_cols // hd
 
-        qkv_done = [self.counters.new(f"layer {i}: qkv slices of KV group {g}") for g in range(groups)]
-        need = [0] * groups
+        qkv_done = self.done(f"layer {i}: qkv slices", groups)
+        need = [0] * groups                   # what each group's attention waits for on its counter
         self.next_sm = 0
-        for lo, hi in ranges(q_cols + 2 * kv_cols, self.sms):
+        qkv_ranges = ranges(q_cols + 2 * kv_cols, self.sms)
+        for lo, hi in qkv_ranges:
             touched = sorted({group_of(col) for col in range(lo, hi)})
-            for g in touched:
-                need[g] += 1
-            self.add("qkv", i, lo, hi, [self.ready], [qkv_done[g] for g in touched], hidden, hi - lo)
-        group_sm = [g * self.sms // groups for g in range(groups)]
-        o_done = self.counters.new(f"layer {i}: o")
-        if self.layout == "columns":
-            attn_done = self.counters.new(f"layer {i}: attention")
+            signals = sorted({qkv_done[g] for g in touched})
             for g in range(groups):
-                self.add("attention", i, g, g + 1, [(qkv_done[g], need[g])], [attn_done], 0, 0, group_sm[g])
-            self.next_sm = 0
+                need[g] += qkv_done[g] in signals
+            self.add("qkv", i, lo, hi, [self.ready], signals, hidden, hi - lo)
+        group_sm = [g * self.sms // groups for g in range(groups)]
+        attn_done = self.done(f"layer {i}: attention", groups)
+        for g in range(groups):
+            self.add("attention", i, g, g + 1, [(qkv_done[g], need[g])], [attn_done[g]], 0, 0, group_sm[g])
+        attn_need = 1 if self.layout == "tiles-fine" else groups
+        o_done = self.counters.new(f"layer {i}: o")
+        self.next_sm = 0
+        if self.layout == "columns":
             o_ranges = ranges(hidden, self.sms)
             for lo, hi in o_ranges:
-                self.add("o", i, lo, hi, [(attn_done, groups)], [o_done], q_cols, hi - lo)
+                self.add("o", i, lo, hi, [(attn_done[0], groups)], [o_done], q_cols, hi - lo)
             self.ready = (o_done, len(o_ranges))
         else:
-            attn_done = [self.counters.new(f"layer {i}: attention of KV group {g}") for g in range(groups)]
-            for g in range(groups):
-                self.add("attention", i, g, g + 1, [(qkv_done[g], need[g])], [attn_done[g]], 0, 0, group_sm[g])
-            self.next_sm = 0
             cols = ranges(hidden, max(1, self.sms // groups))
             for g in range(groups):
                 rows = (g * per_group * hd, (g + 1) * per_group * hd)
                 for lo, hi in cols:
-                    self.add("o", i, lo, hi, [(attn_done[g], 1)], [o_done], per_group * hd, hi - lo, rows=rows,
-                             carries=g == 0)
+                    self.add("o", i, lo, hi, [(attn_done[g], attn_need)], [o_done], per_group * hd, hi - lo,
+                             rows=rows, carries=g == 0)
             self.ready = (o_done, groups * len(cols))
         self.mlp(i)
 
@@ -153,7 +160,7 @@ class _Builder:
         down_done = self.counters.new(f"layer {i}: down")
         self.next_sm = 0
         if self.layout == "columns":
-            gu_done = self.counters.new(f"layer {i}: gate_up")
+            (gu_done,) = self.done(f"layer {i}: gate_up", 1)
             for lo, hi in gu_ranges:
                 self.add("gate_up", i, lo, hi, [self.ready], [gu_done], hidden, 2 * (hi - lo))
             self.next_sm = 0
@@ -163,18 +170,18 @@ class _Builder:
             self.ready = (down_done, len(down_ranges))
             return
         # tiles: bands of whole gate_up slices x column ranges, about one tile an SM
-        n_bands = max(1, round(math.sqrt(self.sms)))
-        bands = ranges(len(gu_ranges), n_bands, 1)
-        band_done = [self.counters.new(f"layer {i}: gate_up slices of band {b}") for b in range(len(bands))]
-        band_of = [b for b, (first, last) in enumerate(bands) for _ in range(first, last)]
-        for (lo, hi), b in zip(gu_ranges, band_of):
-            self.add("gate_up", i, lo, hi, [self.ready], [band_done[b]], hidden, 2 * (hi - lo))
+        bands = ranges(len(gu_ranges), max(1, round(math.sqrt(self.sms))), 1)
+        band_done = self.done(f"layer {i}: gate_up slices", len(bands))
+        for b, (first, last) in enumerate(bands):
+            for lo, hi in gu_ranges[first:last]:
+                self.add("gate_up", i, lo, hi, [self.ready], [band_done[b]], hidden, 2 * (hi - lo))
         self.next_sm = 0
         cols = ranges(hidden, max(1, self.sms // len(bands)))
         for b, (first, last) in enumerate(bands):
             rows = (gu_ranges[first][0], gu_ranges[last - 1][1])
+            need = last - first if self.layout == "tiles-fine" else len(gu_ranges)
             for lo, hi in cols:
-                self.add("down", i, lo, hi, [(band_done[b], last - first)], [down_done], rows[1] - rows[0], hi - lo,
+                self.add("down", i, lo, hi, [(band_done[b], need)], [down_done], rows[1] - rows[0], hi - lo,
                          rows=rows, carries=b == 0)
         self.ready = (down_done, len(bands) * len(cols))
 
