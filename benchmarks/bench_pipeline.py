@@ -455,6 +455,32 @@ def copy_bandwidth() -> float:
     return 2 * 2 * 1024**3 / us * 1e6
 
 
+def consumer_inputs(hidden: int, rng: np.random.Generator) -> tuple:
+    """The EXL2 consumers' inputs besides the ring (the kernel's Inputs), random: x [hidden] fp16, its corrections,
+    the group records; and K / 32."""
+    kchunks = hidden // 32
+    return (cp.asarray(rng.standard_normal(32 * kchunks).astype(np.float16)),
+            cp.asarray(rng.standard_normal(2 * kchunks).astype(np.float32)),
+            cp.asarray(rng.integers(0, 2**32, kchunks + 8, dtype=np.uint32)), kchunks)
+
+
+def shared_memory(kernel, spec: str, ring_bytes: int, kchunks: int) -> int | None:
+    """The dynamic shared memory `kernel` gets for consumer `spec` (the ring, then exl2-xs's copy of x), set on it;
+    None (and a line printed) where it does not fit."""
+    smem = ring_bytes + (72 * kchunks if spec.startswith("exl2-xs") else 0)
+    if smem > MAX_SMEM:
+        print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
+        return None
+    kernel.max_dynamic_shared_size_bytes = smem
+    return smem
+
+
+def write_results(where: Path | None, what: str, bandwidth: float, rows: list[dict], sms: int) -> None:
+    if where:
+        info = run_info(torch.device("cuda"), bandwidth, rows, sms=sms)
+        Path(result_path(str(where), what, info)).write_text(json.dumps(info, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
@@ -491,10 +517,7 @@ def main() -> None:
         total = int(sum(s * G for s in shares))
         w = cp.arange(total // 4, dtype=cp.uint32).view(cp.uint8)
         d_off, d_share = cp.asarray(offsets), cp.asarray(np.array(shares, dtype=np.int32))
-        kchunks = SHAPES[shape]["hidden_size"] // 32               # the EXL2 consumers' K: the hidden size
-        x = cp.asarray(rng.standard_normal(32 * kchunks).astype(np.float16))
-        corr = cp.asarray(rng.standard_normal(2 * kchunks).astype(np.float32))
-        records = cp.asarray(rng.integers(0, 2**32, kchunks + 8, dtype=np.uint32))
+        x, corr, records, kchunks = consumer_inputs(SHAPES[shape]["hidden_size"], rng)   # K: the hidden size
         resid = cp.zeros(SHAPES[shape]["hidden_size"], dtype=cp.float32)
         bound_us = total / bw * 1e6
         print(f"\n{shape}, ctx {args.context}: {len(ops)} ops, {total / 1e9:.3f} GB a step, bound {bound_us:.0f} us")
@@ -503,11 +526,9 @@ def main() -> None:
             flags = cp.asarray(np.array(op_flags(ops, layout), dtype=np.int32))
             for spec, (expression, warps) in specs.items():
                 kernel = module.get_function(expression)
-                smem = slot_bytes * args.slots + (72 * kchunks if spec.startswith("exl2-xs") else 0)
-                if smem > MAX_SMEM:
-                    print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
+                smem = shared_memory(kernel, spec, slot_bytes * args.slots, kchunks)
+                if smem is None:
                     continue
-                kernel.max_dynamic_shared_size_bytes = smem
                 out = cp.empty(len(ops) * G * 32 * warps, dtype=cp.float32)
                 for mode in args.modes.split(","):
                     counters = cp.zeros(len(ops), dtype=cp.int32)
@@ -521,9 +542,7 @@ def main() -> None:
                                bytes=total, slots=args.slots, slot_kb=args.slot_kb)
                     rows.append(row)
                     print(f"{layout:6} {mode:8} {spec:>12} {us:9.1f} {total / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
-    if args.json:
-        info = run_info(torch.device("cuda"), bw, rows, sms=G)
-        Path(result_path(str(args.json), "pipeline", info)).write_text(json.dumps(info, indent=1))
+    write_results(args.json, "pipeline", bw, rows, G)
 
 
 if __name__ == "__main__":

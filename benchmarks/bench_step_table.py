@@ -12,19 +12,17 @@ bench_pipeline's (free: no waits; after: the producer waits too; ahead: it copie
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import cupy as cp
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import MAX_SMEM, SOURCE as PIPELINE_SOURCE, consumer_kernel, copy_bandwidth, median_us  # noqa: E402,E501
-from shapes import SHAPES, config_for  # noqa: E402
+from bench_pipeline import (SOURCE as PIPELINE_SOURCE, consumer_inputs, consumer_kernel, copy_bandwidth,  # noqa: E402
+                            median_us, shared_memory, write_results)
+from shapes import config_for  # noqa: E402
 
-from exl_backends.commands.bench import result_path, run_info  # noqa: E402
 from exl_backends.kernels import loader  # noqa: E402
 from exl_backends.model import step_table  # noqa: E402
 
@@ -143,10 +141,7 @@ def main() -> None:
     rows, rng = [], np.random.default_rng(0)
     for shape in args.shapes.split(","):
         config = config_for(shape)
-        kchunks = SHAPES[shape]["hidden_size"] // 32
-        x = cp.asarray(rng.standard_normal(32 * kchunks).astype(np.float16))
-        corr = cp.asarray(rng.standard_normal(2 * kchunks).astype(np.float32))
-        records = cp.asarray(rng.integers(0, 2**32, kchunks + 8, dtype=np.uint32))
+        x, corr, records, kchunks = consumer_inputs(config.hidden_size, rng)
         resid = cp.zeros(config.hidden_size, dtype=cp.float32)
         for layout in args.layouts.split(","):
             table = step_table.build(config, G, layout)
@@ -161,11 +156,9 @@ def main() -> None:
             print(f"{'mode':8} {'consumer':>12} {'us/step':>9} {'TB/s':>6} {'% of bound':>10}")
             for spec, (expression, warps) in specs.items():
                 kernel = module.get_function(expression)
-                smem = slot_bytes * args.slots + (72 * kchunks if spec.startswith("exl2-xs") else 0)
-                if smem > MAX_SMEM:
-                    print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
+                smem = shared_memory(kernel, spec, slot_bytes * args.slots, kchunks)
+                if smem is None:
                     continue
-                kernel.max_dynamic_shared_size_bytes = smem
                 out = cp.empty(G * 32 * warps, dtype=cp.float32)
                 for mode in args.modes.split(","):
                     counters.fill(0)
@@ -180,9 +173,7 @@ def main() -> None:
                                      share=round(bound_us / us, 3), bytes=flat["bytes"], slices=len(table.slices),
                                      whole_waits=whole, part_waits=part))
                     print(f"{mode:8} {spec:>12} {us:9.1f} {flat['bytes'] / us / 1e6:6.2f} {100 * bound_us / us:9.1f}%")
-    if args.json:
-        info = run_info(torch.device("cuda"), bw, rows, sms=G)
-        Path(result_path(str(args.json), "step-table", info)).write_text(json.dumps(info, indent=1))
+    write_results(args.json, "step-table", bw, rows, G)
 
 
 if __name__ == "__main__":
