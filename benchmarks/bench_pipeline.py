@@ -455,6 +455,19 @@ def copy_bandwidth() -> float:
     return 2 * 2 * 1024**3 / us * 1e6
 
 
+def compile_kernels(source: str, kernel: str, consumers: str) -> tuple[cp.RawModule, dict[str, tuple[str, int]]]:
+    """source's `kernel` template for each consumer spec, compiled by NVRTC for this GPU: the module and, by spec,
+    (its name expression, its consumer warps)."""
+    specs = {}
+    for spec in consumers.split(","):
+        expression, warps = consumer_kernel(spec)
+        specs[spec] = (expression.replace("pipeline<", f"{kernel}<", 1), warps)
+    module = cp.RawModule(code=source, options=("-std=c++17", f"-I{loader.KERNEL_DIR}",
+                                                f"--gpu-architecture={loader.arch(loader.compute_capability())}"),
+                          backend="nvrtc", name_expressions=[name for name, _ in specs.values()])
+    return module, specs
+
+
 def consumer_inputs(hidden: int, rng: np.random.Generator) -> tuple:
     """The EXL2 consumers' inputs besides the ring (the kernel's Inputs), random: x [hidden] fp16, its corrections,
     the group records; and K / 32."""
@@ -500,10 +513,7 @@ def main() -> None:
 
     dev = cp.cuda.Device()
     G = dev.attributes["MultiProcessorCount"]
-    specs = {spec: consumer_kernel(spec) for spec in args.consumers.split(",")}
-    module = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-I{loader.KERNEL_DIR}",
-                                                f"--gpu-architecture={loader.arch(loader.compute_capability())}"),
-                          backend="nvrtc", name_expressions=[name for name, _ in specs.values()])
+    module, specs = compile_kernels(SOURCE, "pipeline", args.consumers)
     slot_bytes = args.slot_kb * 1024
     bw = copy_bandwidth()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()

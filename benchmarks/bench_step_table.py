@@ -19,11 +19,10 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import (SOURCE as PIPELINE_SOURCE, consumer_inputs, consumer_kernel, copy_bandwidth,  # noqa: E402
+from bench_pipeline import (SOURCE as PIPELINE_SOURCE, compile_kernels, consumer_inputs, copy_bandwidth,  # noqa: E402
                             median_us, shared_memory, write_results)
 from shapes import config_for  # noqa: E402
 
-from exl_backends.kernels import loader  # noqa: E402
 from exl_backends.model import step_table  # noqa: E402
 
 SOURCE = PIPELINE_SOURCE + r"""
@@ -127,13 +126,7 @@ def main() -> None:
 
     dev = cp.cuda.Device()
     G = dev.attributes["MultiProcessorCount"]
-    specs = {}
-    for spec in args.consumers.split(","):
-        expression, warps = consumer_kernel(spec)
-        specs[spec] = (expression.replace("pipeline<", "table_step<", 1), warps)
-    module = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-I{loader.KERNEL_DIR}",
-                                                f"--gpu-architecture={loader.arch(loader.compute_capability())}"),
-                          backend="nvrtc", name_expressions=[name for name, _ in specs.values()])
+    module, specs = compile_kernels(SOURCE, "table_step", args.consumers)
     slot_bytes = args.slot_kb * 1024
     bw = copy_bandwidth()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
