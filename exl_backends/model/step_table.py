@@ -9,7 +9,10 @@ Three layouts. "columns" (today's launch-per-op, as one table): every matmul spl
 waiting for the whole op before it (5 waits a layer). "tiles": o and down split by input rows too, so that every SM
 gets a tile at the 1B shape, their partial sums added into the residual (float atomics in a kernel); the same waits.
 "tiles-fine": the same tiles, each waiting only for the producers of the rows it reads, so that only the two norms
-of the residual wait for every SM (2 waits a layer on a whole op, 3 on part of one). The ops of layer i:
+of the residual wait for every SM (2 waits a layer on a whole op, 3 on part of one). Tiles are rows in the model's
+order, which the interpreter reads; a kernel reads a weight's rows in its stored order, so tiles-fine's o and down
+fit weights stored in the model's row order (fp16, GPTQ without act-order, EXL2 with no permutation): act-order
+(our converter's default and ExLlamaV2's) scatters a tile's rows over every stored chunk. The ops of layer i:
   qkv        columns of q|k|v (whole strips of 32), the input norm of residual R(2i) in each slice; waits for R(2i)
   attention  one KV head group: q/k norms, RoPE, K/V into the cache, attention over it; waits for every qkv slice
              (tiles-fine: only for those whose columns hold the group's heads)
