@@ -134,7 +134,7 @@ def test_bench_json_is_the_results_form(dirs, tmp_path, monkeypatch, capsys):
 
 def test_bench_schedule_prints_the_planned_step_table(dirs, capsys):
     """`exl bench --schedule` on the CPU: decode is launch-per-op there, and the pipelined megakernel's planned
-    table is printed in both layouts (an H100's SMs); a Mixtral model has no table."""
+    table is printed in each layout (an H100's SMs); a Mixtral model has no table."""
     from exl_backends import cli
     cli.main(["bench", "-m", str(dirs["llama"]), "--device", "cpu", "--schedule"])
     out = capsys.readouterr().out

@@ -307,7 +307,7 @@ def load_report(model_dir: str, device: torch.device) -> list[str]:
 def decode_schedule(model: Model | TensorParallelModel) -> str:
     """How a one-sequence decode step runs its matmuls as megakernel launches (`exl bench --schedule`): one chained
     step, the first two launches and the last in full (the ones between repeat the second's layout); then the
-    pipelined megakernel's planned step table (model/step_table.py) for this model, in both layouts."""
+    pipelined megakernel's planned step table (model/step_table.py) for this model, in each of its layouts."""
     return _segment_schedule(model) + _planned_tables(model)
 
 
