@@ -6,10 +6,11 @@ Llama-3-8B shape at 4.0 bpw body + 6-bit head: ~3.9 GB/token -> ~1080 tok/s at 4
 Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 layers x ~12 launches).
 
     python benchmarks/bench_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--contexts 256,4096,32768]
-        [--megakernel both|on|off] [--defines ,MK_POLL_NS=0]
+        [--megakernel both|on|off|ring|all] [--defines ,MK_POLL_NS=0]
 
 --megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
-and the megakernel segments (kernels/megakernel.py), the model built once; --defines times both once per variant of
+and the megakernel segments (kernels/megakernel.py), the model built once; ring: launch-per-op and the segments with
+their weights through a producer warp's ring (EXL_MEGAKERNEL=ring); all: the three; --defines times both once per variant of
 the one-row kernels (matmul_rows.cu and megakernel.cu; comma-separated -D sets, '+' between several; '' the
 default).
 """
@@ -27,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, synthetic_model  # noqa: E402
 from tune_matmul import use_define  # noqa: E402
+
+PATHS = {"0": "launch-per-op", "1": "megakernel", "ring": "megakernel ring"}
 
 from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed, run_info  # noqa: E402
 
@@ -62,10 +65,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,4096,32768")
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--megakernel", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--megakernel", choices=("both", "on", "off", "ring", "all"), default="both")
     ap.add_argument("--defines", default="", help="kernel variants, e.g. ',MK_POLL_NS=0'")
     args = ap.parse_args()
-    paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",)}[args.megakernel]
+    paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",), "ring": ("0", "ring"),
+             "all": ("0", "1", "ring")}[args.megakernel]
     runs = [(flag, define) for define in args.defines.split(",") for flag in paths]
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
@@ -84,8 +88,7 @@ def main() -> None:
                         print(f"warning: {shape} decode {mode} ctx {ctx} gives NaN/inf logits")
                     rows.append(dict(shape=shape, what=f"decode {mode} ctx {ctx}", bpw=4.0, context=ctx,
                                      cache_mode=mode, batch=1,
-                                     path=" ".join(filter(None, ["megakernel" if flag == "1" else "launch-per-op",
-                                                                 define])),
+                                     path=" ".join(filter(None, [PATHS[flag], define])),
                                      tok_s=r["tok_s"], replay_tok_s=r["replay_tok_s"], bound_tok_s=bound,
                                      pct=100 * r["tok_s"] / bound))
         rows.append(dict(shape=shape, what="prefill 2048", tok_s=prefill_speed(model, 2048)))

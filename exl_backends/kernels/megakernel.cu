@@ -79,6 +79,9 @@ struct Segment {
     Op op[N];
     int* done;                   // [n_ops + 1], zero between launches
     int n_ops;
+    int ring_slots;              // RING: slots of the weight ring
+    int xs_smem;                 // RING: byte offsets in dynamic shared memory of a matmul block's x copy
+    int ring_smem;               //       and of the ring
 };
 
 __device__ __forceinline__ int load_acquire(const int* p)
@@ -180,6 +183,264 @@ __device__ void decode_segment(const Segment<N>& s)
         for (int k = 0; k <= s.n_ops; ++k) s.done[k] = 0;
 }
 
+
+// ------------------------------------------------------------------------------------------- RING
+// decode_ring_exl2_<N> (EXL_MEGAKERNEL=ring): the same segment, schedule, counters and arithmetic, with the weights
+// streamed through shared memory by a producer warp (docs/megakernel.md, "The pipelined design's premise"): a CTA is
+// the 8 warps above (the consumers: stages and matmul blocks as before, their barriers named barrier 1) plus warp 8,
+// whose lanes copy each matmul block's weight spans into a ring of slots by cp.async.bulk, in the order the
+// consumers read them, across op boundaries: the copies never wait for a counter, only for a free slot, so DRAM
+// keeps streaming while the consumers wait for the op before.
+//   A slot is RING_PIECE bytes a consumer warp, piece w holding warp w's next batch<B>() chunks of its strip (a
+//   width run's last chunks: fewer): for each matmul block the walk's own sequence, width run by width run
+//   (ring_slots: producer and consumers step through the same one). Warps without a strip in the block still wait
+//   for each slot and release it (the empty barrier counts all 8), so a slot is reused only after every warp is done
+//   with it; a warp releases its piece as soon as its words are in registers.
+//   After the op's wait the block copies its split's staged x and corrections (stage_xs's output in global memory)
+//   into shared memory (xs_smem): bench_pipeline measured x read from global memory after every wait at 50 % of the
+//   bound against 71 % from shared memory (8B, H100).
+// Dynamic shared memory: [0, xs_smem) as the kernel above (a stage's row, a matmul's chunk_meta), then x and its
+// corrections (72 bytes a chunk of the longest split), then the ring at ring_smem (ring_slots slots of RING_SLOT).
+// Results are the launch-per-op kernel's bits: each warp still walks its strip's chunks in order with the same sums.
+constexpr int RING_PIECE = 2048;              // >= batch<B>() * 128 * B for every width (2 KB at 8 bits)
+constexpr int RING_SLOT = qmm::WARPS * RING_PIECE;
+constexpr int RING_THREADS = qmm::THREADS + 32;
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(qmm::THREADS) : "memory"); }
+
+__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity)
+{
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar), "r"(parity)
+        : "memory");
+}
+
+struct Ring {
+    static constexpr int MAX_SLOTS = 8;
+    unsigned char* data;
+    unsigned long long* full;    // one arrival (the producer's expect_tx) and the slot's bytes
+    unsigned long long* empty;   // the 8 consumer warps' releases
+    int slots;
+
+    __device__ unsigned char* piece(int slot, int warp) const
+    {
+        return data + (size_t)slot * RING_SLOT + warp * RING_PIECE;
+    }
+    // A consumer warp: slot `it` (its it-th use) is full, then (release) it is free again.
+    __device__ int wait_full(int it) const
+    {
+        bar_wait(smem_address(full + it % slots), (it / slots) & 1);
+        return it % slots;
+    }
+    __device__ void release(int it, int lane) const
+    {
+        __syncwarp();
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_address(empty + it % slots))
+                         : "memory");
+    }
+};
+
+// The strip-independent part of a matmul block: its part, split and chunk range.
+struct RingBlock {
+    const qmm::Part* pt;
+    int pi, split, col_block, c0, c1;
+
+    __device__ RingBlock(const qmm::Params& p, int b)
+    {
+        pi = qmm::part_of(p, b);
+        pt = &p.part[pi];
+        const int local = b - pt->block0;
+        split = local / pt->col_blocks;
+        col_block = local % pt->col_blocks;
+        c0 = pt->split_chunk[split];
+        c1 = pt->split_chunk[split + 1];
+    }
+    __device__ int strip(int warp, int strips_per_block) const { return col_block * strips_per_block + warp; }
+    __device__ bool has(int warp, int strips_per_block) const
+    {
+        return warp < strips_per_block && strip(warp, strips_per_block) < pt->strips;
+    }
+};
+
+// The producer's copies of width run I of a block: a slot a batch, lane w copying warp w's piece.
+template <int I, class Fmt>
+__device__ __forceinline__ void fill_width(const RingBlock& rb, int strips_per_block, const Ring& ring, int& it,
+                                           int lane)
+{
+    using namespace qmm;
+    constexpr int B = width_of(I), U = batch<B>();
+    if constexpr (Fmt::template has_width<B>()) {
+        const Part& pt = *rb.pt;
+        const int lo = max(rb.c0, pt.run_start[I]), hi = min(rb.c1, pt.run_start[I + 1]);
+        int copies = 0;
+        for (int w = 0; w < WARPS; ++w) copies += rb.has(w, strips_per_block);
+        const bool mine = lane < WARPS && rb.has(lane, strips_per_block);
+        const unsigned* src = pt.qw + (size_t)rb.strip(lane, strips_per_block) * pt.words_per_strip + pt.run_word[I];
+        for (int c = lo; c < hi; c += U, ++it) {
+            const int slot = it % ring.slots, bytes = min(U, hi - c) * 128 * B;
+            bar_wait(smem_address(ring.empty + slot), ((it / ring.slots) & 1) ^ 1);
+            const unsigned full = smem_address(ring.full + slot);
+            if (lane == 0)
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(copies * bytes)
+                             : "memory");
+            __syncwarp();
+            if (mine)
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                        smem_address(ring.piece(slot, lane))),
+                    "l"(src + 32 * B * (c - pt.run_start[I])), "r"(bytes), "r"(full)
+                    : "memory");
+        }
+    }
+}
+
+// A consumer warp's chunks of width run I of its block from the ring (warps without a strip: the slots waited for
+// and released).
+template <int I, class Fmt, class Sink>
+__device__ __forceinline__ void drain_width(const RingBlock& rb, const typename Fmt::Cursor& cur, const int2* meta_s,
+                                            bool mine, const Ring& ring, int& it, int warp, int lane, Sink& sink)
+{
+    using namespace qmm;
+    constexpr int B = width_of(I), U = batch<B>();
+    if constexpr (Fmt::template has_width<B>()) {
+        const Part& pt = *rb.pt;
+        const int lo = max(rb.c0, pt.run_start[I]), hi = min(rb.c1, pt.run_start[I + 1]);
+        for (int c = lo; c < hi; c += U, ++it) {
+            const unsigned char* piece = ring.piece(ring.wait_full(it), warp);
+            if (!mine) {
+                ring.release(it, lane);
+            } else if (c + U <= hi) {
+                Batch<U, B, Fmt, Sink> now;
+                now.fetch_shared(cur, meta_s + (c - rb.c0), piece, lane, c, sink);
+                ring.release(it, lane);
+                now.consume(c, sink);
+            } else {                             // the run's last chunks: fewer than a batch
+                for (int u = 0; u < hi - c; ++u) {
+                    Batch<1, B, Fmt, Sink> one;
+                    one.fetch_shared(cur, meta_s + (c + u - rb.c0), piece + u * 128 * B, lane, c + u, sink);
+                    one.consume(c + u, sink);
+                }
+                ring.release(it, lane);
+            }
+        }
+    }
+}
+
+// Every slot of a matmul block, in the walk's order (width run by width run).
+template <class Fmt>
+__device__ __forceinline__ void fill_block(const RingBlock& rb, int strips_per_block, const Ring& ring, int& it,
+                                           int lane)
+{
+    fill_width<0, Fmt>(rb, strips_per_block, ring, it, lane);
+    fill_width<1, Fmt>(rb, strips_per_block, ring, it, lane);
+    fill_width<2, Fmt>(rb, strips_per_block, ring, it, lane);
+    fill_width<3, Fmt>(rb, strips_per_block, ring, it, lane);
+    fill_width<4, Fmt>(rb, strips_per_block, ring, it, lane);
+    fill_width<5, Fmt>(rb, strips_per_block, ring, it, lane);
+}
+
+// Matmul block b of op (a consumer warp): as matmul_part_staged, with x and its corrections copied into shared memory
+// after the wait and the weights from the ring.
+template <class Fmt>
+__device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, int b, const CounterWait& wait,
+                                            const Ring& ring, int& it, unsigned char* smem, int xs_smem)
+{
+    using namespace qmm;
+    const RingBlock rb(p, b);
+    const Part& pt = *rb.pt;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, strip = rb.strip(warp, op.strips_per_block);
+    const int chunks = rb.c1 - rb.c0;
+    const bool mine = rb.has(warp, op.strips_per_block);
+    int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
+    half* xs_s = reinterpret_cast<half*>(smem + xs_smem);
+    float2* corr_s = reinterpret_cast<float2*>(smem + xs_smem + 64 * chunks);
+    if (mine) prefetch_records<Fmt>(pt, strip, rb.split, lane);
+    for (int c = threadIdx.x; c < chunks; c += THREADS) meta_s[c] = __ldg(pt.chunk_meta + rb.c0 + c);
+    wait();                                            // x (stage_xs's), ws and the counters
+    const half* xg = op.xs + (size_t)rb.pi * p.K;
+    const float2* cg = reinterpret_cast<const float2*>(op.xs + (size_t)p.n_parts * p.K) + (size_t)rb.pi * (p.K / 32);
+    for (int i = threadIdx.x; i < 4 * chunks; i += THREADS)       // 32 halves a chunk: 4 x 16 bytes
+        reinterpret_cast<uint4*>(xs_s)[i] = reinterpret_cast<const uint4*>(xg + 32 * rb.c0)[i];
+    for (int i = threadIdx.x; i < chunks; i += THREADS) corr_s[i] = cg[rb.c0 + i];
+    consumers_sync();
+    MatmulSink<Fmt, 1, true> sink;
+    sink.xc = xs_s + 4 * (lane % 4);
+    sink.tile1 = 0;
+    sink.corr = corr_s;
+    sink.c0 = rb.c0;
+    sink.M = 1;
+    const typename Fmt::Cursor cur = Fmt::cursor(pt, mine ? strip : 0, lane / 4);
+    drain_width<0, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<1, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<2, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<3, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<4, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<5, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    if (!mine) return;
+    sink.flush();
+    half* y = rb.pi == 0 ? op.y0 : rb.pi == 1 ? op.y1 : op.y2;
+    finish<1, true>(sink.acc, pt, rb.split, strip, 1, y, op.ws ? op.ws + pt.ws_offset : op.ws, 1, pt.counters);
+}
+
+template <class Fmt, int N>
+__device__ void decode_ring(const Segment<N>& s)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ int poller_s;
+    __shared__ unsigned long long barriers_s[N];
+    __shared__ __align__(8) unsigned long long full_s[Ring::MAX_SLOTS], empty_s[Ring::MAX_SLOTS];
+    const int c = blockIdx.x, G = gridDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Ring ring{smem + s.ring_smem, full_s, empty_s, s.ring_slots};
+    if (threadIdx.x < s.n_ops)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
+    if (threadIdx.x < ring.slots) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(full_s + threadIdx.x)) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(empty_s + threadIdx.x)),
+                     "r"(qmm::WARPS) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();                                   // the only barrier with the producer: it never waits again
+    int it = 0;                                        // slots used so far
+    if (warp == qmm::WARPS) {
+        for (int k = 0; k < s.n_ops; ++k) {
+            const Op& op = s.op[k];
+            if (op.kind != MATMUL) continue;
+            for (int v = first_block(op, c, G); v < op.blocks; v += G)
+                fill_block<Fmt>(RingBlock(s.params[op.params], v), op.strips_per_block, ring, it, lane);
+        }
+        return;
+    }
+    for (int k = 0; k < s.n_ops; ++k) {
+        const Op& op = s.op[k];
+        const int v0 = first_block(op, c, G);
+        if (v0 >= op.blocks) continue;
+        if (threadIdx.x == 0) poller_s = 0;
+        consumers_sync();
+        const CounterWait wait{k > 0 ? s.done + k - 1 : nullptr, k > 0 ? s.op[k - 1].blocks : 0, &poller_s,
+                               smem_address(barriers_s + k)};
+        int ran = 0;
+        for (int v = v0; v < op.blocks; v += G, ++ran) {
+            const qmm::Params& p = s.params[op.params];
+            if (op.kind == STAGE)
+                qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
+                              v / op.grid_x, 0, 1, wait);
+            else
+                ring_matmul<Fmt>(p, op, v, wait, ring, it, smem, s.xs_smem);
+            consumers_sync();                          // shared memory is the next block's
+        }
+        if (threadIdx.x == 0) release_add(s.done + k, ran);
+    }
+    consumers_sync();
+    if (threadIdx.x == 0 && exl::arrive(s.done + s.n_ops) == G - 1)
+        for (int k = 0; k <= s.n_ops; ++k) s.done[k] = 0;
+}
+
 }  // namespace mk
 
 #define MK_SEGMENT(NAME, FMT, N)                                                                                      \
@@ -196,7 +457,25 @@ __device__ void decode_segment(const Segment<N>& s)
     mk::decode_segment<FMT, N>(s);
 #endif
 
+#define MK_RING(NAME, FMT, N)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(mk::RING_THREADS, 2) NAME(const __grid_constant__ mk::Segment<N> s)   \
+    {                                                                                                                  \
+        MK_RING_BODY(FMT, N)                                                                                           \
+    }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define MK_RING_BODY(FMT, N) __trap();
+#else
+#define MK_RING_BODY(FMT, N)                                                                                           \
+    exl::pdl_trigger();                                                                                               \
+    mk::decode_ring<FMT, N>(s);
+#endif
+
 MK_SEGMENT(decode_segment_exl2_2, qmm::Exl2, 2)
 MK_SEGMENT(decode_segment_exl2_4, qmm::Exl2, 4)
 MK_SEGMENT(decode_segment_exl2_8, qmm::Exl2, 8)
 MK_SEGMENT(decode_segment_exl2_12, qmm::Exl2, 12)
+MK_RING(decode_ring_exl2_2, qmm::Exl2, 2)
+MK_RING(decode_ring_exl2_4, qmm::Exl2, 4)
+MK_RING(decode_ring_exl2_8, qmm::Exl2, 8)
+MK_RING(decode_ring_exl2_12, qmm::Exl2, 12)

@@ -15,7 +15,9 @@ CTA after the one that ran op k - 1's last block, so that CTAs that got fewer bl
 next. G is every CTA that fits the GPU at once (the kernel spins on counters: all of them must be resident).
 
 Off by default: measured on an H200 (2026-12-06) it is 5-10 % slower than launch-per-op (docs/megakernel.md);
-`EXL_MEGAKERNEL=1` turns it on, for the work that folds attention in and for comparing."""
+`EXL_MEGAKERNEL=1` turns it on, for the work that folds attention in and for comparing. `EXL_MEGAKERNEL=ring` runs
+the same segments with a producer warp streaming the weights through shared memory (decode_ring_exl2_<N>, megakernel.cu
+RING), where a CTA's shared memory holds a ring of at least MIN_RING_SLOTS slots beside its x; else as `1`."""
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +36,10 @@ FAMILY = "megakernel"
 SIZES = (2, 4, 8, 12)           # the ops a segment kernel holds (megakernel.cu decode_segment_exl2_<N>)
 MAX_OPS = SIZES[-1]
 THREADS = 256                   # a CTA: 8 warps, one strip each (qmm::THREADS)
+RING_THREADS = THREADS + 32     # RING: the 8 warps and a producer warp
+RING_SLOT = 8 * 2048            # RING: a slot, RING_PIECE bytes a consumer warp
+MAX_RING_SLOTS, MIN_RING_SLOTS = 8, 3
+RING_SMEM = 110 * 1024          # RING: a CTA's dynamic shared memory, two CTAs an SM (H100/H200: 227 KB)
 STAGE, MATMUL = 0, 1            # megakernel.cu Kind
 MIN_CC = (9, 0)                 # dependent launch (the wait before an op's first read), Hopper's L2
 
@@ -48,7 +54,8 @@ def segment_dtype(params_dtype: np.dtype, n: int) -> np.dtype:
     """megakernel.cu's Segment<n> for the matmuls' Params struct (quant_matmul.PARAMS_DTYPE): n ops, n / 2 Params
     (a matmul and its stage share theirs)."""
     return np.dtype([("params", params_dtype, (n // 2,)), ("op", OP_DTYPE, (n,)), ("done", np.uint64),
-                     ("n_ops", np.int32), ("pad", np.int32)], align=True)
+                     ("n_ops", np.int32), ("ring_slots", np.int32), ("xs_smem", np.int32), ("ring_smem", np.int32)],
+                    align=True)
 
 
 def size_for(n_ops: int) -> int:
@@ -57,8 +64,8 @@ def size_for(n_ops: int) -> int:
     return next(n for n in SIZES if n >= n_ops)
 
 
-def kernel_name(n_ops: int) -> str:
-    return f"decode_segment_exl2_{size_for(n_ops)}"
+def kernel_name(n_ops: int, ring: bool = False) -> str:
+    return f"decode_{'ring' if ring else 'segment'}_exl2_{size_for(n_ops)}"
 
 
 @dataclass
@@ -98,10 +105,23 @@ class OneRowMatmul:
 
 
 def enabled(device: torch.device) -> bool:
-    """EXL_MEGAKERNEL=1 on a GPU of compute capability 9.0+ (off by default: launch-per-op is still faster,
-    docs/megakernel.md)."""
-    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "0") == "1"
+    """EXL_MEGAKERNEL=1 (or ring) on a GPU of compute capability 9.0+ (off by default: launch-per-op is still
+    faster, docs/megakernel.md)."""
+    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "0") in ("1", "ring")
             and compute_capability(device) >= MIN_CC)
+
+
+def ring_layout(ops: list[Op]) -> tuple[int, int, int] | None:
+    """RING's dynamic shared memory for ops: (x copy offset, ring offset, slots), or None where fewer than
+    MIN_RING_SLOTS slots fit beside the ops' own (a stage's row, a matmul's chunk_meta) and the longest split's x
+    and corrections (72 bytes a chunk)."""
+    xs_smem = -(-max(op.smem for op in ops) // 128) * 128
+    chunks = max((int(np.diff(part["split_chunk"][:part["n_splits"] + 1]).max())
+                  for op in ops if op.kind == MATMUL
+                  for part in op.params["part"][:int(op.params["n_parts"])]), default=0)
+    ring_smem = xs_smem + -(-72 * chunks // 128) * 128
+    slots = min(MAX_RING_SLOTS, (RING_SMEM - ring_smem) // RING_SLOT)
+    return (xs_smem, ring_smem, slots) if slots >= MIN_RING_SLOTS else None
 
 
 _chain: contextvars.ContextVar[Chain | None] = contextvars.ContextVar("exl_megakernel_chain", default=None)
@@ -149,6 +169,7 @@ class Chain:
         self.ops: list[Op] = []
         self.done, self.used = done, 0
         self.segments: list[tuple[list[Op], int]] = []      # (ops, grid) of each launch, for describe()
+        self.kernels: list[str] = []                         # the kernel of each launch
 
     def append(self, op: Op) -> None:
         self.ops.append(op)
@@ -160,17 +181,19 @@ class Chain:
 
     def _launch(self, ops: list[Op]) -> None:
         device = self.done.device
-        smem = max(op.smem for op in ops)
-        kernel = kernel_name(len(ops))
-        grid = resident_blocks(FAMILY, kernel, THREADS, smem) * torch.cuda.get_device_properties(
+        ring = ring_layout(ops) if os.environ.get("EXL_MEGAKERNEL") == "ring" else None
+        smem = max(op.smem for op in ops) if ring is None else ring[1] + ring[2] * RING_SLOT
+        kernel, threads = kernel_name(len(ops), ring is not None), THREADS if ring is None else RING_THREADS
+        grid = resident_blocks(FAMILY, kernel, threads, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
         at = self.used
         if at + len(ops) + 1 > self.done.numel():
             raise ValueError(f"megakernel counters for {len(self.segments)} launches only: make more (counters())")
         done = self.done[at:at + len(ops) + 1]
         self.used += len(ops) + 1
-        launch(FAMILY, kernel, grid=(grid,), block=(THREADS,), args=(segment(ops, grid, done),), shared_mem=smem)
+        launch(FAMILY, kernel, grid=(grid,), block=(threads,), args=(segment(ops, grid, done, ring),), shared_mem=smem)
         self.segments.append((ops, grid))
+        self.kernels.append(kernel)
 
 
 def schedule(blocks: list[int], grid: int) -> list[int]:
@@ -182,9 +205,9 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
     return firsts
 
 
-def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
+def segment(ops: list[Op], grid: int, done: Tensor, ring: tuple[int, int, int] | None = None) -> np.ndarray:
     """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
-    Params once (a stage and its matmul share theirs)."""
+    Params once (a stage and its matmul share theirs); ring: RING's shared memory (ring_layout)."""
     n = size_for(len(ops))
     s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
     param_slots: dict[int, int] = {}
@@ -200,6 +223,8 @@ def segment(ops: list[Op], grid: int, done: Tensor) -> np.ndarray:
             op.eps, op.kind, op.blocks, op.grid_x, first, op.strips_per_block
         rec["params"] = slot
     s["done"], s["n_ops"] = done.data_ptr(), len(ops)
+    if ring is not None:
+        s["xs_smem"], s["ring_smem"], s["ring_slots"] = ring
     return s
 
 

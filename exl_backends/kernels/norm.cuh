@@ -10,14 +10,15 @@ namespace exl {
 
 constexpr int NORM_THREADS = 256;
 
-// The sum of x over the block (every thread gets it). Uses __syncthreads: all NORM_THREADS threads must call it.
+// The sum of x over threads 0 .. NORM_THREADS - 1 (every one gets it), which must all call it. Their barrier is
+// named barrier 1, not __syncthreads: a megakernel's CTA has a producer warp beside them (megakernel.cu's ring).
 __device__ __forceinline__ float block_sum(float x)
 {
     __shared__ float partial[NORM_THREADS / 32];
 #pragma unroll
     for (int span = 16; span >= 1; span >>= 1) x += __shfl_xor_sync(0xffffffffu, x, span);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = x;
-    __syncthreads();
+    asm volatile("bar.sync 1, %0;" ::"n"(NORM_THREADS) : "memory");
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < NORM_THREADS / 32; w++) total += partial[w];

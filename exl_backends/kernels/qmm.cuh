@@ -132,21 +132,29 @@ struct Stream {
 
     // Lane's B words of the chunk at `chunk` (the span's start plus an offset): planes of 16, 8, then 4 bytes per
     // lane. A batch passes its first chunk's pointer plus constants, so the loads take immediate offsets.
-    template <int B>
+    // SHARED: the chunk is a copy in shared memory (a megakernel's weight ring), read by plain loads.
+    template <int B, bool SHARED = false>
     __device__ static void load(const unsigned char* chunk, int lane, unsigned (&w)[B])
     {
         constexpr int P16 = B / 4, P8 = B % 4 / 2, P4 = B % 2;
 #pragma unroll
         for (int i = 0; i < P16; ++i) {
-            const uint4 v = load_stream(reinterpret_cast<const uint4*>(chunk + 512 * i) + lane);
+            const uint4 v = read<SHARED>(reinterpret_cast<const uint4*>(chunk + 512 * i) + lane);
             w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
         }
         if constexpr (P8 == 1) {
-            const uint2 v = load_stream(reinterpret_cast<const uint2*>(chunk + 512 * P16) + lane);
+            const uint2 v = read<SHARED>(reinterpret_cast<const uint2*>(chunk + 512 * P16) + lane);
             w[4 * P16] = v.x; w[4 * P16 + 1] = v.y;
         }
         if constexpr (P4 == 1)
-            w[B - 1] = load_stream(reinterpret_cast<const unsigned*>(chunk + 512 * P16 + 256 * P8) + lane);
+            w[B - 1] = read<SHARED>(reinterpret_cast<const unsigned*>(chunk + 512 * P16 + 256 * P8) + lane);
+    }
+
+    template <bool SHARED, class T>
+    __device__ static T read(const T* p)
+    {
+        if constexpr (SHARED) return *p;
+        else return load_stream(p);
     }
 };
 
@@ -280,6 +288,20 @@ struct Batch {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             Stream::load<B>(chunk + u * 128 * B, lane, w[u]);
+            m[u] = meta[u];
+        }
+        sink.template extras<B, U>(c, ex);
+#pragma unroll
+        for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
+    }
+
+    // The same chunks from a copy in shared memory, back to back from `chunk` on (a megakernel's weight ring).
+    __device__ __forceinline__ void fetch_shared(const typename Fmt::Cursor& cur, const int2* meta,
+                                                 const unsigned char* chunk, int lane, int c, const Sink& sink)
+    {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            Stream::load<B, true>(chunk + u * 128 * B, lane, w[u]);
             m[u] = meta[u];
         }
         sink.template extras<B, U>(c, ex);

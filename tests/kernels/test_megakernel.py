@@ -2,7 +2,8 @@
 launch. CPU: its schedule, and that the argument struct Python packs is the one the kernel reads (host-compiled with
 nvcc). GPU: a chained decode step gives launch-per-op's logits bit for bit (the same plans' sums in the same order),
 eager and graph-replayed, over EXL2 widths and mixes, biases, act-order and every cache mode; and greedy generation
-through the Generator is unchanged."""
+through the Generator is unchanged. Each GPU check runs both segment kernels: EXL_MEGAKERNEL=1 (weights read from
+global memory) and =ring (weights through a producer warp's ring in shared memory)."""
 from __future__ import annotations
 
 import shutil
@@ -59,9 +60,10 @@ HARNESS = r"""
 #include <cstdio>
 int main() {
     OFFSETS
-    printf("%zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op),
+    printf("%zu %zu %zu %zu %zu %zu %zu %zu\n", sizeof(mk::Op), offsetof(mk::Segment<SEGMENT_N>, op),
            offsetof(mk::Segment<SEGMENT_N>, done), offsetof(mk::Segment<SEGMENT_N>, n_ops),
-           sizeof(mk::Segment<SEGMENT_N>));
+           offsetof(mk::Segment<SEGMENT_N>, ring_slots), offsetof(mk::Segment<SEGMENT_N>, xs_smem),
+           offsetof(mk::Segment<SEGMENT_N>, ring_smem), sizeof(mk::Segment<SEGMENT_N>));
 }
 """
 
@@ -78,7 +80,8 @@ def test_the_packed_segment_is_the_kernels_struct(tmp_path, n):
     assert [int(v) for v in out[:len(mk.OP_DTYPE.names)]] == [mk.OP_DTYPE.fields[n][1] for n in mk.OP_DTYPE.names]
     seg = mk.segment_dtype(qm.PARAMS_DTYPE, n)
     assert [int(v) for v in out[len(mk.OP_DTYPE.names):]] == [
-        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["done"][1], seg.fields["n_ops"][1], seg.itemsize]
+        mk.OP_DTYPE.itemsize, seg.fields["op"][1], seg.fields["done"][1], seg.fields["n_ops"][1],
+        seg.fields["ring_slots"][1], seg.fields["xs_smem"][1], seg.fields["ring_smem"][1], seg.itemsize]
     assert seg.itemsize <= 32764            # the kernel parameter space (CUDA 12.1+)
 
 
@@ -132,12 +135,17 @@ def decode_step(model: Model, cache_mode: str, prompt_len: int):
     return cache, Batch.build([SeqChunk(ids[-1:], prompt_len, pages)], PAGE, "cuda")
 
 
+def kernels_of(chain: mk.Chain) -> set[str]:
+    return {k.rsplit("_", 2)[0] for k in chain.kernels}
+
+
 @on_gpu
 @needs_fixtures()
+@pytest.mark.parametrize("flag", ["1", "ring"])
 @pytest.mark.parametrize("cache_mode", ["fp16", "q8", "q6", "q4"])
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode, monkeypatch):
-    monkeypatch.setenv("EXL_MEGAKERNEL", "1")
+def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode, flag, monkeypatch):
+    monkeypatch.setenv("EXL_MEGAKERNEL", flag)
     path = FIXTURES / "exl2" / name
     model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
     assert model.chainable()
@@ -147,6 +155,7 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
         chained = model.forward(step, cache).clone()
     # each block's q/k/v ends one, the last block's MLP one, a quantized head one
     assert len(chain.segments) == len(model.blocks) + 1 + (getattr(model.lm_head, "kernel", None) is not None)
+    assert kernels_of(chain) == {"decode_ring" if flag == "ring" else "decode_segment"}
     assert torch.equal(chained, plain)
     again = Runner(model, cache, max_batch=1, max_pages=4, eager=False)
     for _ in range(3):                                           # the counters reset themselves between replays
@@ -155,15 +164,16 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
 
 
 @on_gpu
+@pytest.mark.parametrize("flag", ["1", "ring"])
 @pytest.mark.parametrize("strips_per_block", [8, 7, 5])
-def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkeypatch):
+def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, flag, monkeypatch):
     """Each op of a segment runs launch-per-op's plan, also where that plan's blocks have fewer strips than the
     CTA has warps (as small_blocks picks for the 8B gate/up): fused parts whose strip counts are not multiples of
     the block's, normed and gated staging, several segments from one counters tensor."""
     from exl_backends.formats import synthetic
     from exl_backends.kernels import planning
     from exl_backends.kernels import quant_matmul as qm
-    monkeypatch.setenv("EXL_MEGAKERNEL", "1")
+    monkeypatch.setenv("EXL_MEGAKERNEL", flag)
     monkeypatch.setattr(planning, "SMALL_STRIPS_PER_BLOCK", (strips_per_block,))
     k = 4128
     weights = [synthetic.random_exl2(k, 517, "0.05:8b_32g/0.95:4b_128g", seed=1),
@@ -181,6 +191,7 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkey
             mk.flush()
             chained_gated = f.forward(h, up)
         assert len(chain.segments) == 2 and all(len(ops) == 2 for ops, _ in chain.segments)
+        assert kernels_of(chain) == {"decode_ring" if flag == "ring" else "decode_segment"}
         assert torch.equal(chained_new, new)
         assert all(torch.equal(a, b) for a, b in zip(chained_normed + chained_gated, normed + gated))
         assert done.count_nonzero() == 0
@@ -188,18 +199,19 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, monkey
 
 @on_gpu
 @needs_fixtures()
-def test_greedy_generation_is_unchanged_by_the_megakernel(monkeypatch):
+@pytest.mark.parametrize("flag", ["1", "ring"])
+def test_greedy_generation_is_unchanged_by_the_megakernel(flag, monkeypatch):
     from exl_backends import ExlForCausalLM, Generator
 
-    def tokens(flag: str):
-        monkeypatch.setenv("EXL_MEGAKERNEL", flag)
+    def tokens(path: str):
+        monkeypatch.setenv("EXL_MEGAKERNEL", path)
         model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
                                                max_seq_len=512)
         gen = Generator(model, cuda_graphs=True, max_batch_size=1)
         out = gen.submit([509] + list(range(20, 60)), max_new_tokens=64, stop_token_ids=[]).result().token_ids
-        assert (gen.runner.graphs.by_shape[1, 1].segment_counters is not None) == (flag == "1")
+        assert (gen.runner.graphs.by_shape[1, 1].segment_counters is not None) == (path != "0")
         return out
-    assert tokens("1") == tokens("0")
+    assert tokens(flag) == tokens("0")
 
 
 @on_gpu
