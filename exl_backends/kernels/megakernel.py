@@ -182,7 +182,9 @@ class Chain:
     def _launch(self, ops: list[Op]) -> None:
         device = self.done.device
         ring = ring_layout(ops) if os.environ.get("EXL_MEGAKERNEL") == "ring" else None
-        smem = max(op.smem for op in ops) if ring is None else ring[1] + ring[2] * RING_SLOT
+        # every ring launch asks for RING_SMEM: the kernel's maximum is a property of the function, which a captured
+        # graph's replays of the other launches must not find lowered
+        smem = max(op.smem for op in ops) if ring is None else RING_SMEM
         kernel, threads = kernel_name(len(ops), ring is not None), THREADS if ring is None else RING_THREADS
         grid = resident_blocks(FAMILY, kernel, threads, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
