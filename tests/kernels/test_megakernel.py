@@ -112,6 +112,26 @@ def test_a_segment_takes_the_smallest_kernel_that_holds_its_ops():
         mk.size_for(mk.MAX_OPS + 1)                     # (Chain.flush cuts longer chains at MAX_OPS)
 
 
+def matmul_op(split_chunks: list[int], smem: int) -> mk.Op:
+    params = np.zeros((), qm.PARAMS_DTYPE)
+    params["n_parts"] = 1
+    part = params["part"][0]
+    part["n_splits"] = len(split_chunks) - 1
+    part["split_chunk"][:len(split_chunks)] = split_chunks
+    return mk.Op(mk.MATMUL, 10, smem, params, {})
+
+
+def test_the_ring_fits_beside_the_longest_splits_x_or_is_not_used():
+    """RING's shared memory: the ops' own area, then x and corrections of the longest split (72 bytes a chunk), then
+    whole slots up to RING_SMEM; too little room for MIN_RING_SLOTS slots: no ring (the plain segment runs)."""
+    ops = [mk.Op(mk.STAGE, 16, 8192, np.zeros((), qm.PARAMS_DTYPE), {}), matmul_op([0, 100, 448], 8 * 348)]
+    xs, ring, slots = mk.ring_layout(ops)
+    assert xs == 8192 and ring == 8192 + 72 * 348 // 128 * 128 + 128 and ring % 128 == 0
+    assert slots == min(mk.MAX_RING_SLOTS, (mk.RING_SMEM - ring) // mk.RING_SLOT) >= mk.MIN_RING_SLOTS
+    assert ring + slots * mk.RING_SLOT <= mk.RING_SMEM
+    assert mk.ring_layout([matmul_op([0, 1200], 8 * 1200)]) is None      # 84 KB of x leaves room for one slot
+
+
 def test_chaining_without_counters_changes_nothing():
     with mk.chaining(None) as chain:
         assert chain is None and mk.active() is None
