@@ -10,7 +10,8 @@ Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 l
 
 --megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
 and the megakernel segments (kernels/megakernel.py), the model built once; ring: launch-per-op and the segments with
-their weights through a producer warp's ring (EXL_MEGAKERNEL=ring); all: the three; --defines times both once per variant of
+their weights through a producer warp's ring (EXL_MEGAKERNEL=ring) and with the stages folded into the matmul blocks
+(ring-fold); all: the four; --defines times both once per variant of
 the one-row kernels (matmul_rows.cu and megakernel.cu; comma-separated -D sets, '+' between several; '' the
 default).
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, synthetic_model  # noqa: E402
 from tune_matmul import use_define  # noqa: E402
 
-PATHS = {"0": "launch-per-op", "1": "megakernel", "ring": "megakernel ring"}
+PATHS = {"0": "launch-per-op", "1": "megakernel", "ring": "megakernel ring", "ring-fold": "megakernel ring-fold"}
 
 from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed, run_info  # noqa: E402
 
@@ -68,8 +69,8 @@ def main() -> None:
     ap.add_argument("--megakernel", choices=("both", "on", "off", "ring", "all"), default="both")
     ap.add_argument("--defines", default="", help="kernel variants, e.g. ',MK_POLL_NS=0'")
     args = ap.parse_args()
-    paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",), "ring": ("0", "ring"),
-             "all": ("0", "1", "ring")}[args.megakernel]
+    paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",), "ring": ("0", "ring", "ring-fold"),
+             "all": ("0", "1", "ring", "ring-fold")}[args.megakernel]
     runs = [(flag, define) for define in args.defines.split(",") for flag in paths]
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []

@@ -345,8 +345,30 @@ __device__ __forceinline__ void fill_block(const RingBlock& rb, int strips_per_b
     fill_width<5, Fmt>(rb, strips_per_block, ring, it, lane);
 }
 
-// Matmul block b of op (a consumer warp): as matmul_part_staged, with x and its corrections copied into shared memory
-// after the wait and the weights from the ring.
+// FOLDED (op.x non-null): the stage that launch-per-op runs before the matmul, for this block's rows only: x's stored
+// rows [32 c0, 32 c1) after the op's norm (the whole row's RMS: residual_row, r in shared memory at 0) or silu * up,
+// scaled for the folded widths, and their corrections, stage_xs's arithmetic in the same order (its butterfly is
+// stage_corrections' at one row); the part-0 blocks of column block 0 write the new residual's elements
+// [32 c0, 32 c1) (model order: the splits together write each once).
+__device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::Part& pt, const Op& op, int split,
+                                              bool writer, int c0, int c1, half* xs_s, float2* corr_s)
+{
+    using namespace qmm;
+    extern __shared__ __align__(16) half r_s[];
+    const float inv_rms = op.norm_w ? residual_row(op.x, op.residual, p.K, 0, op.eps) : 0.f;
+    for (int r = threadIdx.x; r < 32 * (c1 - c0); r += THREADS) {
+        const int k = 32 * c0 + r, src = pt.perm ? __ldg(pt.perm + k) : k;
+        half in = op.norm_w ? normalise(r_s[src], __ldg(op.norm_w + src), inv_rms) : op.x[src];
+        if (op.up) in = silu_mul(in, op.up[src]);
+        xs_s[r] = __float2half_rn(__half2float(in) * row_scale(width_at(pt, c0 + r / 32), r % 32));
+        if (writer && op.norm_w && op.residual) op.new_residual[k] = r_s[k];
+    }
+    consumers_sync();
+    stage_corrections(corr_s, xs_s, pt, 1, c0, c1, 0);
+}
+
+// Matmul block b of op (a consumer warp): as matmul_part_staged, with x and its corrections in shared memory after
+// the wait (copied from stage_xs's output, or FOLDED: staged here) and the weights from the ring.
 template <class Fmt>
 __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, int b, const CounterWait& wait,
                                             const Ring& ring, int& it, unsigned char* smem, int xs_smem)
@@ -357,17 +379,23 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, strip = rb.strip(warp, op.strips_per_block);
     const int chunks = rb.c1 - rb.c0;
     const bool mine = rb.has(warp, op.strips_per_block);
-    int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
+    // FOLDED with a norm: the row r at 0, the chunk_meta entries after it
+    int2* meta_s = reinterpret_cast<int2*>(smem + (op.x && op.norm_w ? 2 * p.K : p.meta_smem));
     half* xs_s = reinterpret_cast<half*>(smem + xs_smem);
     float2* corr_s = reinterpret_cast<float2*>(smem + xs_smem + 64 * chunks);
     if (mine) prefetch_records<Fmt>(pt, strip, rb.split, lane);
     for (int c = threadIdx.x; c < chunks; c += THREADS) meta_s[c] = __ldg(pt.chunk_meta + rb.c0 + c);
-    wait();                                            // x (stage_xs's), ws and the counters
-    const half* xg = op.xs + (size_t)rb.pi * p.K;
-    const float2* cg = reinterpret_cast<const float2*>(op.xs + (size_t)p.n_parts * p.K) + (size_t)rb.pi * (p.K / 32);
-    for (int i = threadIdx.x; i < 4 * chunks; i += THREADS)       // 32 halves a chunk: 4 x 16 bytes
-        reinterpret_cast<uint4*>(xs_s)[i] = reinterpret_cast<const uint4*>(xg + 32 * rb.c0)[i];
-    for (int i = threadIdx.x; i < chunks; i += THREADS) corr_s[i] = cg[rb.c0 + i];
+    wait();                                            // x (stage_xs's, or FOLDED the op before's), ws, counters
+    if (op.x) {
+        stage_block_x(p, pt, op, rb.split, rb.pi == 0 && rb.col_block == 0, rb.c0, rb.c1, xs_s, corr_s);
+    } else {
+        const half* xg = op.xs + (size_t)rb.pi * p.K;
+        const float2* cg =
+            reinterpret_cast<const float2*>(op.xs + (size_t)p.n_parts * p.K) + (size_t)rb.pi * (p.K / 32);
+        for (int i = threadIdx.x; i < 4 * chunks; i += THREADS)       // 32 halves a chunk: 4 x 16 bytes
+            reinterpret_cast<uint4*>(xs_s)[i] = reinterpret_cast<const uint4*>(xg + 32 * rb.c0)[i];
+        for (int i = threadIdx.x; i < chunks; i += THREADS) corr_s[i] = cg[rb.c0 + i];
+    }
     consumers_sync();
     MatmulSink<Fmt, 1, true> sink;
     sink.xc = xs_s + 4 * (lane % 4);

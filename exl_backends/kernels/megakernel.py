@@ -17,7 +17,10 @@ next. G is every CTA that fits the GPU at once (the kernel spins on counters: al
 Off by default: measured on an H200 (2026-12-06) it is 5-10 % slower than launch-per-op (docs/megakernel.md);
 `EXL_MEGAKERNEL=1` turns it on, for the work that folds attention in and for comparing. `EXL_MEGAKERNEL=ring` runs
 the same segments with a producer warp streaming the weights through shared memory (decode_ring_exl2_<N>, megakernel.cu
-RING), where a CTA's shared memory holds a ring of at least MIN_RING_SLOTS slots beside its x; else as `1`."""
+RING), where a CTA's shared memory holds a ring of at least MIN_RING_SLOTS slots beside its x; else as `1`.
+`EXL_MEGAKERNEL=ring-fold` also drops the stage ops: each matmul block stages the rows of x it reads after its wait
+(megakernel.cu FOLDED), one all-to-all wait fewer a matmul. (ring and ring-fold are measured against each other;
+the loser goes.)"""
 from __future__ import annotations
 
 import contextlib
@@ -96,6 +99,12 @@ class OneRowMatmul:
         """x (one row; before: stage_xs's up, residual, norm_w, new_residual, eps) staged into xs, then ys = x @ W^T."""
         up, residual, norm_w, new_residual, eps = before
         name = f"{self.k} x {'+'.join(str(y.shape[-1]) for y in ys)}"
+        if chain.folded:            # one op: each matmul block stages the rows it reads (megakernel.cu FOLDED)
+            chain.append(Op(MATMUL, self.plan.blocks, (2 * self.k if norm_w is not None else 0) + self.plan.smem,
+                            self.params, dict(x=x, up=up, residual=residual, norm_w=norm_w, new_residual=new_residual,
+                                              ws=self.ws, **dict(zip(("y0", "y1", "y2"), ys))), eps,
+                            strips_per_block=self.plan.threads // 32, name=name + " (staged in its blocks)"))
+            return
         chain.append(Op(STAGE, self.stage_blocks * len(ys), 2 * self.k if norm_w is not None else 0, self.params,
                         dict(x=x, up=up, residual=residual, norm_w=norm_w, new_residual=new_residual, xs=xs), eps,
                         self.stage_blocks, name))
@@ -107,7 +116,7 @@ class OneRowMatmul:
 def enabled(device: torch.device) -> bool:
     """EXL_MEGAKERNEL=1 (or ring) on a GPU of compute capability 9.0+ (off by default: launch-per-op is still
     faster, docs/megakernel.md)."""
-    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "0") in ("1", "ring")
+    return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "0") in ("1", "ring", "ring-fold")
             and compute_capability(device) >= MIN_CC)
 
 
@@ -166,6 +175,8 @@ class Chain:
     """The ops appended since the last flush; the segments launched so far, each with its slice of `done`."""
 
     def __init__(self, done: Tensor) -> None:
+        self.ring = os.environ.get("EXL_MEGAKERNEL") in ("ring", "ring-fold")
+        self.folded = os.environ.get("EXL_MEGAKERNEL") == "ring-fold"     # (ring_layout holds for every segment)
         self.ops: list[Op] = []
         self.done, self.used = done, 0
         self.segments: list[tuple[list[Op], int]] = []      # (ops, grid) of each launch, for describe()
@@ -181,7 +192,9 @@ class Chain:
 
     def _launch(self, ops: list[Op]) -> None:
         device = self.done.device
-        ring = ring_layout(ops) if os.environ.get("EXL_MEGAKERNEL") == "ring" else None
+        ring = ring_layout(ops) if self.ring else None
+        if ring is None and self.folded:
+            raise ValueError("a segment of folded stages needs the ring kernel; its x does not fit beside the ring")
         # every ring launch asks for RING_SMEM: the kernel's maximum is a property of the function, which a captured
         # graph's replays of the other launches must not find lowered
         smem = max(op.smem for op in ops) if ring is None else RING_SMEM

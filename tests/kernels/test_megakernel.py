@@ -2,8 +2,9 @@
 launch. CPU: its schedule, and that the argument struct Python packs is the one the kernel reads (host-compiled with
 nvcc). GPU: a chained decode step gives launch-per-op's logits bit for bit (the same plans' sums in the same order),
 eager and graph-replayed, over EXL2 widths and mixes, biases, act-order and every cache mode; and greedy generation
-through the Generator is unchanged. Each GPU check runs both segment kernels: EXL_MEGAKERNEL=1 (weights read from
-global memory) and =ring (weights through a producer warp's ring in shared memory)."""
+through the Generator is unchanged. Each GPU check runs every segment kernel: EXL_MEGAKERNEL=1 (weights read from
+global memory), =ring (weights through a producer warp's ring in shared memory) and =ring-fold (the same, each
+matmul block staging its own x)."""
 from __future__ import annotations
 
 import shutil
@@ -105,6 +106,23 @@ def test_a_one_row_matmul_appends_its_stage_and_matmul():
     assert record[1]["strips_per_block"] == 7           # the plan's (threads / 32), not the CTA's 8 warps
 
 
+def test_a_folded_chain_appends_one_op_that_stages_its_own_x(monkeypatch):
+    """EXL_MEGAKERNEL=ring-fold: the stage's inputs travel with the matmul op (no stage op, no xs), and its shared
+    memory holds the normed row (2 bytes a K) before the plan's chunk_meta."""
+    monkeypatch.setenv("EXL_MEGAKERNEL", "ring-fold")
+    plan = SimpleNamespace(params=np.zeros((), [("a", np.int32)]), ws_floats=0, blocks=96, smem=64, threads=256)
+    pair = mk.OneRowMatmul(plan, 4096, 16, torch.device("cpu"))
+    chain = mk.Chain(torch.zeros(26, dtype=torch.int32))
+    x, xs, residual, w, new = (torch.zeros(4096, dtype=torch.float16) for _ in range(5))
+    pair.append(chain, x, (None, residual, w, new, 1e-5), xs, [torch.zeros(1, 4096, dtype=torch.float16)])
+    (op,) = chain.ops
+    assert (op.kind, op.blocks, op.smem, op.eps) == (mk.MATMUL, 96, 2 * 4096 + 64, 1e-5)
+    assert op.tensors["x"] is x and op.tensors["norm_w"] is w and op.tensors["new_residual"] is new
+    assert "xs" not in op.tensors
+    record = mk.segment(chain.ops, 264, torch.zeros(2, dtype=torch.int32))["op"][0]
+    assert record["x"] == x.data_ptr() and record["xs"] == 0 and record["kind"] == mk.MATMUL
+
+
 def test_a_segment_takes_the_smallest_kernel_that_holds_its_ops():
     assert [mk.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [2, 2, 4, 4, 8, 8, 12, 12]
     assert mk.kernel_name(8) == "decode_segment_exl2_8"
@@ -161,7 +179,7 @@ def kernels_of(chain: mk.Chain) -> set[str]:
 
 @on_gpu
 @needs_fixtures()
-@pytest.mark.parametrize("flag", ["1", "ring"])
+@pytest.mark.parametrize("flag", ["1", "ring", "ring-fold"])
 @pytest.mark.parametrize("cache_mode", ["fp16", "q8", "q6", "q4"])
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode, flag, monkeypatch):
@@ -175,7 +193,7 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
         chained = model.forward(step, cache).clone()
     # each block's q/k/v ends one, the last block's MLP one, a quantized head one
     assert len(chain.segments) == len(model.blocks) + 1 + (getattr(model.lm_head, "kernel", None) is not None)
-    assert kernels_of(chain) == {"decode_ring" if flag == "ring" else "decode_segment"}
+    assert kernels_of(chain) == {"decode_segment" if flag == "1" else "decode_ring"}
     assert torch.equal(chained, plain)
     again = Runner(model, cache, max_batch=1, max_pages=4, eager=False)
     for _ in range(3):                                           # the counters reset themselves between replays
@@ -184,7 +202,7 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
 
 
 @on_gpu
-@pytest.mark.parametrize("flag", ["1", "ring"])
+@pytest.mark.parametrize("flag", ["1", "ring", "ring-fold"])
 @pytest.mark.parametrize("strips_per_block", [8, 7, 5])
 def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, flag, monkeypatch):
     """Each op of a segment runs launch-per-op's plan, also where that plan's blocks have fewer strips than the
@@ -210,8 +228,9 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, flag, 
             chained_normed, chained_new = f.forward_normed(h, residual, w, 1e-5)
             mk.flush()
             chained_gated = f.forward(h, up)
-        assert len(chain.segments) == 2 and all(len(ops) == 2 for ops, _ in chain.segments)
-        assert kernels_of(chain) == {"decode_ring" if flag == "ring" else "decode_segment"}
+        ops_each = 1 if flag == "ring-fold" else 2                  # folded: the matmul stages its own x
+        assert len(chain.segments) == 2 and all(len(ops) == ops_each for ops, _ in chain.segments)
+        assert kernels_of(chain) == {"decode_segment" if flag == "1" else "decode_ring"}
         assert torch.equal(chained_new, new)
         assert all(torch.equal(a, b) for a, b in zip(chained_normed + chained_gated, normed + gated))
         assert done.count_nonzero() == 0
@@ -219,7 +238,7 @@ def test_a_chained_matmul_is_its_own_launch_bit_for_bit(strips_per_block, flag, 
 
 @on_gpu
 @needs_fixtures()
-@pytest.mark.parametrize("flag", ["1", "ring"])
+@pytest.mark.parametrize("flag", ["1", "ring", "ring-fold"])
 def test_greedy_generation_is_unchanged_by_the_megakernel(flag, monkeypatch):
     from exl_backends import ExlForCausalLM, Generator
 
