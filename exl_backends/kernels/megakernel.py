@@ -67,6 +67,12 @@ def size_for(n_ops: int) -> int:
     return next(n for n in SIZES if n >= n_ops)
 
 
+def slots_for(ops: list[Op]) -> int:
+    """The ops a segment kernel must hold for ops: their count, or twice their Params (n / 2 slots) where folded
+    ops bring one each."""
+    return max(len(ops), 2 * len({id(op.params) for op in ops}))
+
+
 def kernel_name(n_ops: int, ring: bool = False) -> str:
     return f"decode_{'ring' if ring else 'segment'}_exl2_{size_for(n_ops)}"
 
@@ -187,8 +193,9 @@ class Chain:
 
     def flush(self) -> None:
         ops, self.ops = self.ops, []
-        for start in range(0, len(ops), MAX_OPS):
-            self._launch(ops[start:start + MAX_OPS])
+        per = MAX_OPS // 2 if self.folded else MAX_OPS          # folded: a Params slot an op
+        for start in range(0, len(ops), per):
+            self._launch(ops[start:start + per])
 
     def _launch(self, ops: list[Op]) -> None:
         device = self.done.device
@@ -198,7 +205,7 @@ class Chain:
         # every ring launch asks for RING_SMEM: the kernel's maximum is a property of the function, which a captured
         # graph's replays of the other launches must not find lowered
         smem = max(op.smem for op in ops) if ring is None else RING_SMEM
-        kernel, threads = kernel_name(len(ops), ring is not None), THREADS if ring is None else RING_THREADS
+        kernel, threads = kernel_name(slots_for(ops), ring is not None), THREADS if ring is None else RING_THREADS
         grid = resident_blocks(FAMILY, kernel, threads, smem) * torch.cuda.get_device_properties(
             device).multi_processor_count
         at = self.used
@@ -223,7 +230,7 @@ def schedule(blocks: list[int], grid: int) -> list[int]:
 def segment(ops: list[Op], grid: int, done: Tensor, ring: tuple[int, int, int] | None = None) -> np.ndarray:
     """The kernel's argument (megakernel.cu Segment) for ops on `grid` CTAs, with counters `done`: each distinct
     Params once (a stage and its matmul share theirs); ring: RING's shared memory (ring_layout)."""
-    n = size_for(len(ops))
+    n = size_for(slots_for(ops))
     s = np.zeros((), segment_dtype(ops[0].params.dtype, n))
     param_slots: dict[int, int] = {}
     for i, (op, first) in enumerate(zip(ops, schedule([op.blocks for op in ops], grid))):
