@@ -24,7 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-os.environ["EXL_MEGAKERNEL"] = "1"           # QuantMatmul builds its segment ops only when the megakernel is on
+# QuantMatmul builds its segment ops only when the megakernel is on; EXL_MEGAKERNEL=ring (or ring-fold) measures
+# and traces the ring segment instead
+if os.environ.get("EXL_MEGAKERNEL", "0") == "0":
+    os.environ["EXL_MEGAKERNEL"] = "1"
 
 import torch  # noqa: E402
 

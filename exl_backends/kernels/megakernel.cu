@@ -394,6 +394,8 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, strip = rb.strip(warp, op.strips_per_block);
     const int chunks = rb.c1 - rb.c0;
     const bool mine = rb.has(warp, op.strips_per_block);
+    const Stamps stamps;                               // (TRACE: start, wait over, walk over, end, arrived)
+    stamps.start();
     // FOLDED with a norm: the row r at 0, the chunk_meta entries after it
     int2* meta_s = reinterpret_cast<int2*>(smem + (op.x && op.norm_w ? 2 * p.K : p.meta_smem));
     half* xs_s = reinterpret_cast<half*>(smem + xs_smem);
@@ -401,6 +403,7 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     if (mine) prefetch_records<Fmt>(pt, strip, rb.split, lane);
     for (int c = threadIdx.x; c < chunks; c += THREADS) meta_s[c] = __ldg(pt.chunk_meta + rb.c0 + c);
     wait();                                            // x (stage_xs's, or FOLDED the op before's), ws, counters
+    stamps.at(1);
     if (op.x) {
         stage_block_x(p, pt, op, rb.split, rb.pi == 0 && rb.col_block == 0, rb.c0, rb.c1, xs_s, corr_s);
     } else {
@@ -427,8 +430,12 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     drain_width<5, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
     if (!mine) return;
     sink.flush();
+    stamps.at(2);
     half* y = rb.pi == 0 ? op.y0 : rb.pi == 1 ? op.y1 : op.y2;
-    finish<1, true>(sink.acc, pt, rb.split, strip, 1, y, op.ws ? op.ws + pt.ws_offset : op.ws, 1, pt.counters);
+    finish<1, true>(sink.acc, pt, rb.split, strip, 1, y, op.ws ? op.ws + pt.ws_offset : op.ws, 1, pt.counters,
+                    stamps);
+    stamps.at(3);
+    stamps.emit(1, p.n_parts, p.K, b);
 }
 
 template <class Fmt, int N>
