@@ -201,7 +201,8 @@ class Chain:
         device = self.done.device
         ring = ring_layout(ops) if self.ring else None
         if ring is None and self.folded:
-            raise ValueError("a segment of folded stages needs the ring kernel; its x does not fit beside the ring")
+            raise ValueError("EXL_MEGAKERNEL=ring-fold: this model's x does not fit beside the weight ring in shared "
+                             "memory (its stages cannot fold); use EXL_MEGAKERNEL=ring or 1")
         # every ring launch asks for RING_SMEM: the kernel's maximum is a property of the function, which a captured
         # graph's replays of the other launches must not find lowered
         smem = max(op.smem for op in ops) if ring is None else RING_SMEM
