@@ -382,8 +382,43 @@ __device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::P
     stage_corrections(corr_s, xs_s, pt, 1, c0, c1, 0);
 }
 
+// MK_RING_GX (a probe, 0 by default: bench_decode --defines ,MK_RING_GX=1): unfolded blocks read x and its
+// corrections from stage_xs's output in global memory with each batch, one batch ahead (launch-per-op's GX sink),
+// instead of copying them into shared memory after the wait.
+#ifndef MK_RING_GX
+#define MK_RING_GX 0
+#endif
+
+// A block's chunks from the ring into sink, then (warps with a strip) its result: y, or the split's partial and the
+// strip's reduction by its last warp.
+template <class Fmt, class Sink>
+__device__ __forceinline__ void ring_walk(const qmm::Params& p, const Op& op, const RingBlock& rb, int b, bool mine,
+                                          int strip, const int2* meta_s, const Ring& ring, int& it,
+                                          const qmm::Stamps& stamps, Sink& sink)
+{
+    using namespace qmm;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const typename Fmt::Cursor cur = Fmt::cursor(*rb.pt, mine ? strip : 0, lane / 4);
+    drain_width<0, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<1, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<2, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<3, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<4, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<5, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    if (!mine) return;
+    sink.flush();
+    stamps.at(2);
+    half* y = rb.pi == 0 ? op.y0 : rb.pi == 1 ? op.y1 : op.y2;
+    const Part& pt = *rb.pt;
+    finish<1, true>(sink.acc, pt, rb.split, strip, 1, y, op.ws ? op.ws + pt.ws_offset : op.ws, 1, pt.counters,
+                    stamps);
+    stamps.at(3);
+    stamps.emit(1, p.n_parts, p.K, b);
+}
+
 // Matmul block b of op (a consumer warp): as matmul_part_staged, with x and its corrections in shared memory after
-// the wait (copied from stage_xs's output, or FOLDED: staged here) and the weights from the ring.
+// the wait (copied from stage_xs's output, or FOLDED: staged here; MK_RING_GX: read from global memory instead) and
+// the weights from the ring.
 template <class Fmt>
 __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, int b, const CounterWait& wait,
                                             const Ring& ring, int& it, unsigned char* smem, int xs_smem)
@@ -404,12 +439,20 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     for (int c = threadIdx.x; c < chunks; c += THREADS) meta_s[c] = __ldg(pt.chunk_meta + rb.c0 + c);
     wait();                                            // x (stage_xs's, or FOLDED the op before's), ws, counters
     stamps.at(1);
+    const half* xg = op.xs + (size_t)rb.pi * p.K;
+    const float2* cg = reinterpret_cast<const float2*>(op.xs + (size_t)p.n_parts * p.K) + (size_t)rb.pi * (p.K / 32);
+    if (MK_RING_GX && !op.x) {
+        consumers_sync();                              // (the chunk_meta entries)
+        MatmulSink<Fmt, 1, true, true> sink;
+        sink.xg = xg;
+        sink.tile_step = 8 * (size_t)p.K;
+        sink.cg = cg;
+        ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, it, stamps, sink);
+        return;
+    }
     if (op.x) {
         stage_block_x(p, pt, op, rb.split, rb.pi == 0 && rb.col_block == 0, rb.c0, rb.c1, xs_s, corr_s);
     } else {
-        const half* xg = op.xs + (size_t)rb.pi * p.K;
-        const float2* cg =
-            reinterpret_cast<const float2*>(op.xs + (size_t)p.n_parts * p.K) + (size_t)rb.pi * (p.K / 32);
         for (int i = threadIdx.x; i < 4 * chunks; i += THREADS)       // 32 halves a chunk: 4 x 16 bytes
             reinterpret_cast<uint4*>(xs_s)[i] = reinterpret_cast<const uint4*>(xg + 32 * rb.c0)[i];
         for (int i = threadIdx.x; i < chunks; i += THREADS) corr_s[i] = cg[rb.c0 + i];
@@ -421,21 +464,7 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     sink.corr = corr_s;
     sink.c0 = rb.c0;
     sink.M = 1;
-    const typename Fmt::Cursor cur = Fmt::cursor(pt, mine ? strip : 0, lane / 4);
-    drain_width<0, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<1, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<2, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<3, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<4, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<5, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    if (!mine) return;
-    sink.flush();
-    stamps.at(2);
-    half* y = rb.pi == 0 ? op.y0 : rb.pi == 1 ? op.y1 : op.y2;
-    finish<1, true>(sink.acc, pt, rb.split, strip, 1, y, op.ws ? op.ws + pt.ws_offset : op.ws, 1, pt.counters,
-                    stamps);
-    stamps.at(3);
-    stamps.emit(1, p.n_parts, p.K, b);
+    ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, it, stamps, sink);
 }
 
 template <class Fmt, int N>
