@@ -120,7 +120,7 @@ class OneRowMatmul:
 
 
 def enabled(device: torch.device) -> bool:
-    """EXL_MEGAKERNEL=1 (or ring) on a GPU of compute capability 9.0+ (off by default: launch-per-op is still
+    """EXL_MEGAKERNEL=1 (or ring, ring-fold) on a GPU of compute capability 9.0+ (off by default: launch-per-op is still
     faster, docs/megakernel.md)."""
     return (device.type == "cuda" and os.environ.get("EXL_MEGAKERNEL", "0") in ("1", "ring", "ring-fold")
             and compute_capability(device) >= MIN_CC)
