@@ -494,30 +494,42 @@ def write_results(where: Path | None, what: str, bandwidth: float, rows: list[di
         Path(result_path(str(where), what, info)).write_text(json.dumps(info, indent=1))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--consumers", default=CONSUMERS,
+def ring_arguments(ap: argparse.ArgumentParser, consumers: str) -> None:
+    """The options bench_pipeline and bench_step_table share: consumers, the ring's slots, launches timed, JSON."""
+    ap.add_argument("--consumers", default=consumers,
                     help="w<WORK>: WORK x (LOP3 + HFMA2) per 16 bytes a lane; exl2: the one-row EXL2 chunk loop "
-                         "(4-bit) with x from global memory, exl2-xs: from shared memory; @N: N consumer warps")
-    ap.add_argument("--modes", default="free,after,ahead,direct-free,direct")
-    ap.add_argument("--layouts", default="5,3", help="all-to-all dependencies a layer: 5 (every op) or 3 (op_flags)")
+                         "(4-bit) with x from global memory, exl2-xs: from shared memory, exl2-fma: without MMAs; "
+                         "@N: N consumer warps")
     ap.add_argument("--slot-kb", type=int, default=16)
     ap.add_argument("--slots", type=int, default=12)
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--json", type=Path, help="write the rows here (a directory: benchmarks/results' file name)")
+
+
+def start(source: str, kernel: str, args: argparse.Namespace) -> tuple[cp.RawModule, dict, int, float]:
+    """The kernels compiled for args.consumers, and (SMs, copy bandwidth) of this GPU, printed with the ring's size."""
+    dev = cp.cuda.Device()
+    sms = dev.attributes["MultiProcessorCount"]
+    module, specs = compile_kernels(source, kernel, args.consumers)
+    bw = copy_bandwidth()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    print(f"{name}: {sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s; ring {args.slots} x {args.slot_kb} KB a CTA")
+    return module, specs, sms, bw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
+    ap.add_argument("--context", type=int, default=256)
+    ring_arguments(ap, CONSUMERS)
+    ap.add_argument("--modes", default="free,after,ahead,direct-free,direct")
+    ap.add_argument("--layouts", default="5,3", help="all-to-all dependencies a layer: 5 (every op) or 3 (op_flags)")
     args = ap.parse_args()
     if not 1 <= args.slots <= 32 or args.slots * args.slot_kb * 1024 > MAX_SMEM:
         ap.error("--slots: 1 to 32 (the kernel's mbarriers), slots x slot-kb at most 227 KB (shared memory a CTA)")
 
-    dev = cp.cuda.Device()
-    G = dev.attributes["MultiProcessorCount"]
-    module, specs = compile_kernels(SOURCE, "pipeline", args.consumers)
+    module, specs, G, bw = start(SOURCE, "pipeline", args)
     slot_bytes = args.slot_kb * 1024
-    bw = copy_bandwidth()
-    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    print(f"{name}: {G} SMs, copy bandwidth {bw / 1e12:.2f} TB/s; ring {args.slots} x {args.slot_kb} KB a CTA")
     rows = []
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):

@@ -19,8 +19,8 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import (SOURCE as PIPELINE_SOURCE, compile_kernels, consumer_inputs, copy_bandwidth,  # noqa: E402
-                            median_us, shared_memory, write_results)
+from bench_pipeline import (SOURCE as PIPELINE_SOURCE, consumer_inputs, median_us, ring_arguments,  # noqa: E402
+                            shared_memory, start, write_results)
 from shapes import config_for  # noqa: E402
 
 from exl_backends.model import step_table  # noqa: E402
@@ -116,21 +116,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
     ap.add_argument("--layouts", default=",".join(step_table.LAYOUTS))
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--consumers", default="w0,w32,exl2@16")
+    ring_arguments(ap, "w0,w32,exl2@16")
     ap.add_argument("--modes", default="free,after,ahead")
-    ap.add_argument("--slot-kb", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=12)
-    ap.add_argument("--launches", type=int, default=30)
-    ap.add_argument("--json", type=Path, help="write the rows here (a directory: benchmarks/results' file name)")
     args = ap.parse_args()
 
-    dev = cp.cuda.Device()
-    G = dev.attributes["MultiProcessorCount"]
-    module, specs = compile_kernels(SOURCE, "table_step", args.consumers)
+    module, specs, G, bw = start(SOURCE, "table_step", args)
     slot_bytes = args.slot_kb * 1024
-    bw = copy_bandwidth()
-    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    print(f"{name}: {G} SMs, copy bandwidth {bw / 1e12:.2f} TB/s; ring {args.slots} x {args.slot_kb} KB a CTA")
     rows, rng = [], np.random.default_rng(0)
     for shape in args.shapes.split(","):
         config = config_for(shape)
