@@ -40,8 +40,7 @@ def _no_stage(self, x, rows, before):
 
 
 OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-free stand-in
-    "attention": dict(paged_attention=lambda q, *a, **k: torch.empty_like(q)),
-    "rope_kv_write": dict(rope_write=lambda q, *a: q),
+    "attention": dict(rope_attention=lambda q, *a, **k: torch.empty_like(q)),   # with RoPE and the cache write
 }   # (add_rmsnorm in front of q/k/v and gate/up, and silu_mul: applied by the stage_xs of the matmul after them)
 CLASS_LEFT_OUT = {"stage_xs": {"_stage": _no_stage},      # family -> QuantMatmul's methods replaced
                   "matmul": {"forward": _no_matmul, "forward_normed": _no_matmul_normed}}

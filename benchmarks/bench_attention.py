@@ -6,8 +6,9 @@ each cache mode, context and batch size. A decode step must read every cached K/
 set against the device's copy bandwidth (bytes read + written per second by a large copy).
 Prefill: one eager call for a fresh prompt (gather + scaled_dot_product_attention), and x32 layers as a share of
 the 20,000 tokens/s prefill target.
-Step ops: every non-matmul op of a batch-1 decode step (32 layers: 2 add_rmsnorm, rope_write, attention, silu_mul
-each), captured in one CUDA graph and replayed, in all and op by op (the step budget leaves ~0.2 ms for them).
+Step ops: every non-matmul op of a batch-1 decode step (32 layers: 2 add_rmsnorm, rope_attention, silu_mul each),
+captured in one CUDA graph and replayed, in all and op by op (the step budget leaves ~0.2 ms for them); and
+rope_attention's one launch beside the two it replaces (rope_write, then attention).
 
     python benchmarks/bench_attention.py [--contexts 256,4096,32768] [--batches 1,16] [--modes fp16,q4]
                                          [--step-contexts 256,4096]
@@ -124,20 +125,23 @@ def step_rows(mode: str, context: int) -> list[dict]:
     scale, eps = dh ** -0.5, config.rms_norm_eps
     ops = {
         "add_rmsnorm x2": lambda layer: (norm.add_rmsnorm(x, residual, w, eps), norm.add_rmsnorm(x, residual, w, eps)),
+        "rope_attention": lambda layer: attention.rope_attention(q, k, v, cos, sin, cache, layer, batch, scale),
+        "silu_mul": lambda layer: activation.silu_mul(gate, up),
         "rope_write": lambda layer: kv_cache.rope_write(q, k, v, cos, sin, cache, layer, batch.slots),
         "attention": lambda layer: attention.paged_attention(q, cache, layer, batch, scale),
-        "silu_mul": lambda layer: activation.silu_mul(gate, up),
     }
+    step = ["add_rmsnorm x2", "rope_attention", "silu_mul"]     # as the model runs a decode step
 
     def run(names):
         for layer in range(N_LAYERS):
             for name in names:
                 ops[name](layer)
-    rows = [dict(what="step ops", mode=mode, batch=1, context=context,
-                 us=graph_seconds(lambda: run(list(ops))) * 1e6, op="all x32 layers")]
-    for name in ops:
+    rows = []
+    # the step's ops, each alone, and the two launches that rope_attention's one replaces
+    for names in [step, *([name] for name in ops), ["rope_write", "attention"]]:
         rows.append(dict(what="step ops", mode=mode, batch=1, context=context,
-                         us=graph_seconds(lambda: run([name])) * 1e6, op=name))
+                         us=graph_seconds(lambda: run(names)) * 1e6,
+                         op="all x32 layers" if names == step else " + ".join(names)))
     del cache
     torch.cuda.empty_cache()
     return rows

@@ -6,18 +6,20 @@ Llama-3-8B shape at 4.0 bpw body + 6-bit head: ~3.9 GB/token -> ~1080 tok/s at 4
 Llama-3.2-1B shape: ~1.0 GB/token -> ~4000 tok/s; launch-bound in practice (16 layers x ~12 launches).
 
     python benchmarks/bench_decode.py [--shapes llama-3-8b,llama-3.2-1b] [--contexts 256,4096,32768]
-        [--megakernel both|on|off|ring|all] [--defines ,MK_POLL_NS=0]
+        [--megakernel both|on|off|ring|all|PATH,PATH...] [--defines ,MK_POLL_NS=0]
 
 --megakernel both (the default) times each decode row twice in the same process: launch-per-op (EXL_MEGAKERNEL=0)
 and the megakernel segments (kernels/megakernel.py), the model built once; ring: launch-per-op and the segments with
 their weights through a producer warp's ring (EXL_MEGAKERNEL=ring) and with the stages folded into the matmul blocks
-(ring-fold); all: the four; --defines times both once per variant of
+(ring-fold); all: the four; or a list of PATHS' keys (rope-apart: launch-per-op with RoPE and the cache write
+a launch of their own, before the attention's, as before 2026-12-06); --defines times each once per variant of
 the one-row kernels (matmul_rows.cu and megakernel.cu; comma-separated -D sets, '+' between several; '' the
 default).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, synthetic_model  # noqa: E402
 from tune_matmul import use_define  # noqa: E402
 
-PATHS = {"0": "launch-per-op", "1": "megakernel", "ring": "megakernel ring", "ring-fold": "megakernel ring-fold"}
+PATHS = {"0": "launch-per-op", "1": "megakernel", "ring": "megakernel ring", "ring-fold": "megakernel ring-fold",
+         "rope-apart": "launch-per-op, rope_write apart"}
+PATH_SETS = {"both": ("0", "1"), "on": ("1",), "off": ("0",), "ring": ("0", "ring", "ring-fold"),
+             "all": ("0", "1", "ring", "ring-fold")}
 
 from exl_backends.commands.bench import copy_bandwidth, decode_speed, prefill_speed, run_info  # noqa: E402
 
@@ -66,21 +71,25 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,4096,32768")
     ap.add_argument("--modes", default="fp16,q4")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--megakernel", choices=("both", "on", "off", "ring", "all"), default="both")
+    ap.add_argument("--megakernel", default="both", help=f"{'|'.join(PATH_SETS)}, or PATH,PATH... of {list(PATHS)}")
     ap.add_argument("--defines", default="", help="kernel variants, e.g. ',MK_POLL_NS=0'")
     args = ap.parse_args()
-    paths = {"both": ("0", "1"), "on": ("1",), "off": ("0",), "ring": ("0", "ring", "ring-fold"),
-             "all": ("0", "1", "ring", "ring-fold")}[args.megakernel]
+    paths = PATH_SETS.get(args.megakernel) or tuple(args.megakernel.split(","))
+    if not set(paths) <= set(PATHS):
+        ap.error(f"--megakernel: {args.megakernel!r} is neither one of {list(PATH_SETS)} nor a list of {list(PATHS)}")
     runs = [(flag, define) for define in args.defines.split(",") for flag in paths]
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
         os.environ["EXL_MEGAKERNEL"] = paths[-1]        # (QuantMatmul plans its segments when it is on)
         model = synthetic_model(shape)
+        ops = model.ops
         for mode in args.modes.split(","):
             for ctx in map(int, args.contexts.split(",")):
                 for flag, define in runs:
-                    os.environ["EXL_MEGAKERNEL"] = flag        # read when the runner captures its decode step
+                    # read when the runner captures its decode step
+                    os.environ["EXL_MEGAKERNEL"] = "0" if flag == "rope-apart" else flag
+                    model.ops = dataclasses.replace(ops, rope_attention=None) if flag == "rope-apart" else ops
                     if args.defines:
                         use_define(define, {"matmul_rows", "megakernel"})
                     r = decode_speed(model, ctx, mode)

@@ -48,6 +48,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 namespace {
 
@@ -85,18 +86,20 @@ __device__ __forceinline__ float column_sum(float x) {
     return x;
 }
 
-// N bytes (4, 8 or 16; N-aligned) from global memory, read-only path, into the words w[0 .. N/4-1].
+// N bytes (4, 8 or 16; N-aligned) from global memory into the words w[0 .. N/4-1]. Plain loads, not the read-only
+// path: the cache's newest key may have been written by this block (paged_decode with RoPE), which a barrier
+// makes visible to plain loads only.
 template <int N>
 __device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) {
     if constexpr (N == 16) {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(p));
+        const uint4 x = *reinterpret_cast<const uint4*>(p);
         w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
     } else if constexpr (N == 8) {
-        const uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
         w[0] = x.x, w[1] = x.y;
     } else {
         static_assert(N == 4, "4, 8 or 16 bytes");
-        w[0] = __ldg(reinterpret_cast<const unsigned*>(p));
+        w[0] = *reinterpret_cast<const unsigned*>(p);
     }
 }
 
@@ -220,7 +223,7 @@ __device__ __forceinline__ void load_tile(Tile<Shape<DH, K_BITS, V_BITS, KT>>& t
         for (int j = 0; j < S::K_PIECES; j++) {
             load_words<S::K_PIECE>(row + (qd + 4 * j) * S::K_PIECE, &tile.k[r][j * S::K_PIECE / 4]);
             if constexpr (K_BITS != 16)
-                tile.k_scale[r][j] = __ldg(c.k_scales + s * c.scale_stride + (qd + 4 * j) * S::K_PIECE_ELEMS / 32);
+                tile.k_scale[r][j] = *(c.k_scales + s * c.scale_stride + (qd + 4 * j) * S::K_PIECE_ELEMS / 32);
         }
     }
 #pragma unroll
@@ -232,7 +235,7 @@ __device__ __forceinline__ void load_tile(Tile<Shape<DH, K_BITS, V_BITS, KT>>& t
         for (int j = 0; j < S::V_PIECES; j++)
             load_words<S::V_PIECE>(row + (g + 8 * j) * S::V_PIECE, &tile.v[i][j * S::V_PIECE / 4]);
         if constexpr (V_BITS != 16)
-            tile.v_scale[i] = __ldg(c.v_scales + s * c.scale_stride + g * S::V_PIECE_ELEMS / 32);
+            tile.v_scale[i] = *(c.v_scales + s * c.scale_stride + g * S::V_PIECE_ELEMS / 32);
     }
 }
 
@@ -377,15 +380,68 @@ __device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l,
     }
 }
 
-// paged_decode<DH, K_BITS, V_BITS>: grid (n_splits, n_kv_heads * head_blocks, rows), block 256 (8 warps).
+// The row's new token as the q/k/v projections left it, for a launch that rotates it and writes its key and value
+// itself (k non-null): k, v [rows, n_kv_heads, DH], cos, sin [rows, DH] fp16, slots [rows] (where the token's K and V
+// go; its key must be the row's last, at position positions[row] == seq_lens[row] - 1, as in a decode batch).
+struct NewToken {
+    const half* k;
+    const half* v;
+    const half* cos;
+    const half* sin;
+    const long long* slots;
+};
+
+// RoPE on kv head kv_head's key of the row's new token, then its key and value into the cache at the token's slot,
+// as rope_kv_write does: fp16 rows, each thread a pair of elements; quantized, a warp per 64-element chunk (warps
+// 0 .. DH/64 - 1 the key's, the next ones the value's).
+template <int DH, int K_BITS, int V_BITS>
+__device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int kv_head, int n_kv_heads,
+                                                unsigned char* k_cache, unsigned char* v_cache, half* k_scales,
+                                                half* v_scales) {
+    const size_t slot = (size_t)__ldcg(nt.slots + row);
+    const half* k = nt.k + ((size_t)row * n_kv_heads + kv_head) * DH;
+    const half* v = nt.v + ((size_t)row * n_kv_heads + kv_head) * DH;
+    const half* cs = nt.cos + (size_t)row * DH;
+    const half* sn = nt.sin + (size_t)row * DH;
+    const int width = n_kv_heads * DH;
+    if constexpr (K_BITS == 16) {
+        static_assert(V_BITS == 16, "fp16 keys go with fp16 values");
+        for (int e = 2 * threadIdx.x; e < 2 * DH; e += 2 * THREADS) {
+            const bool is_k = e < DH;
+            const int d = is_k ? e : e - DH;
+            const half2 x = is_k ? kv::rope_pair(k, cs, sn, d, DH) : *reinterpret_cast<const half2*>(v + d);
+            *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + slot * width +
+                                      (size_t)kv_head * DH + d) = x;
+        }
+    } else {
+        constexpr int CHUNKS = DH / 64;
+        static_assert(DH % 64 == 0 && 2 * CHUNKS <= WARPS, "a warp per 64-element chunk of the key and the value");
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (warp < 2 * CHUNKS) {
+            const bool is_k = warp < CHUNKS;
+            const int d = warp % CHUNKS * 64 + 2 * lane;
+            const half2 x = is_k ? kv::rope_pair(k, cs, sn, d, DH) : *reinterpret_cast<const half2*>(v + d);
+            const int bits = is_k ? K_BITS : V_BITS;
+            kv::quantize_chunk(x, (is_k ? k_cache : v_cache) + slot * (width * bits / 8),
+                               (is_k ? k_scales : v_scales) + slot * (width / 32), kv_head * CHUNKS + warp % CHUNKS,
+                               bits, lane);
+        }
+    }
+}
+
+// paged_decode<DH, K_BITS, V_BITS, KT>: grid (n_splits, n_kv_heads * head_blocks, rows), block 256 (8 warps).
 // head_blocks = ceil(G / 8). part_acc [rows, n_heads, n_splits, DH] f32 and part_ml [rows, n_heads, n_splits]
 // (max, sum) hold the partial states of rows with several splits (null when n_splits is 1); counters
 // [rows * n_kv_heads * head_blocks] int32 must be zero before the launch and are zero after it. window: the sliding
 // window (0: none); cap_in, cap_out: the soft-cap (cap_out 0: none), see the top of the file.
+// nt.k non-null (RoPE here): q is the projection's, rotated here, and the block whose split holds the row's last key
+// (the new token's) first writes that key and value (NewToken), so that no launch of rope_kv_write comes between
+// the projections and this one; rows must then be decode rows (one new token per sequence, row_seq null) and a kv
+// head's query heads one block (G <= 8: no two blocks write the same key).
 template <int DH, int K_BITS, int V_BITS, int KT>
 __device__ __forceinline__ void paged_decode(
-    const half* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
-    const half* __restrict__ k_scales, const half* __restrict__ v_scales, const int* __restrict__ block_tables,
+    const half* __restrict__ q, unsigned char* k_cache, unsigned char* v_cache, half* k_scales, half* v_scales,
+    const NewToken& nt, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const long long* __restrict__ positions, const int* __restrict__ row_seq,
     half* __restrict__ out, float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
     int n_heads, int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window,
@@ -451,11 +507,14 @@ __device__ __forceinline__ void paged_decode(
     exl::pdl_wait();           // q and the newest keys come from the kernels before
 
     // fp16 K: lane (g, qd) loads head g's k elements (the pieces of the warp's part of a key row) straight into its
-    // B fragments; quantized K: the block stages them to rotate them first.
+    // B fragments; quantized K or RoPE here: the block stages them in shared memory (to rotate them) first.
+    const bool rope = nt.k != nullptr;
+    const bool staged = K_BITS != 16 || rope;
+    const bool writes = rope && pos >= t_begin && pos < t_end;   // the block whose split holds the new key
     const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
     unsigned qb[S::STEPS][2];
     float q_reg[Q_PER_THREAD];
-    if constexpr (K_BITS == 16) {
+    if (!staged) {
         unsigned w[S::K_WORDS] = {};
         if (g < n_g) {
 #pragma unroll
@@ -470,29 +529,39 @@ __device__ __forceinline__ void paged_decode(
 #pragma unroll
         for (int i = 0; i < Q_PER_THREAD; i++) {
             const int e = tid + i * THREADS;
-            q_reg[i] = e < HEADS * DH && e / DH < n_g ? __half2float(q_row[e]) : 0.f;
+            if (e >= HEADS * DH || e / DH >= n_g)
+                q_reg[i] = 0.f;
+            else if (rope)
+                q_reg[i] = __half2float(kv::rope_at(q_row + e / DH * DH, nt.cos + (size_t)row * DH,
+                                                    nt.sin + (size_t)row * DH, e % DH, DH));
+            else
+                q_reg[i] = __half2float(q_row[e]);
         }
+        if (writes)
+            write_new_token<DH, K_BITS, V_BITS>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, k_scales, v_scales);
     }
 
-    // the warp's first tile is in flight while the queries are staged
+    // the warp's first tile is in flight while the queries are staged (the writing block's after its writes)
     Tile<S> tile;
-    if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
+    if (!writes && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
-    // quantized K: the queries rotated (R(q)/32), as fp16 B fragments: lane (g, qd) holds head g's k elements
-    if constexpr (K_BITS != 16) {
+    // the queries (quantized K: rotated, R(q)/32) as fp16 B fragments: lane (g, qd) holds head g's k elements
+    if (staged) {
 #pragma unroll
         for (int i = 0; i < Q_PER_THREAD; i++) {
             const int e = tid + i * THREADS;
             if (e < HEADS * DH) (&smem.q[0][0])[e] = q_reg[i];
         }
-        __syncthreads();
-        for (int c = warp; c < HEADS * DH / 64; c += WARPS) {
-            float* chunk = &smem.q[0][0] + c * 64;
-            const float even = hadamard32(chunk[2 * lane], lane), odd = hadamard32(chunk[2 * lane + 1], lane);
-            chunk[2 * lane] = even * (1.f / 32.f);
-            chunk[2 * lane + 1] = odd * (1.f / 32.f);
+        __syncthreads();       // (also: the new key and value are written, and visible to the block's loads)
+        if constexpr (K_BITS != 16) {
+            for (int c = warp; c < HEADS * DH / 64; c += WARPS) {
+                float* chunk = &smem.q[0][0] + c * 64;
+                const float even = hadamard32(chunk[2 * lane], lane), odd = hadamard32(chunk[2 * lane + 1], lane);
+                chunk[2 * lane] = even * (1.f / 32.f);
+                chunk[2 * lane + 1] = odd * (1.f / 32.f);
+            }
+            __syncthreads();
         }
-        __syncthreads();
 #pragma unroll
         for (int s = 0; s < S::STEPS; s++)
 #pragma unroll
@@ -501,6 +570,7 @@ __device__ __forceinline__ void paged_decode(
                                        smem.q[g][dim0 + k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 1))]);
         __syncthreads();   // smem.q is reused for P
     }
+    if (writes && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
     State<S> st;
 #pragma unroll
@@ -613,22 +683,24 @@ __device__ __forceinline__ void paged_decode(
 
 // ---------------------------------------------------------------------------------------------- entry points
 // paged_decode_<mode>_d<DH>: modes fp16 (K, V fp16), q8 (8, 8 bits), q6 (K 8, V 4), q4 (4, 4).
-// Cache pointers are passed as bytes; unused scale pointers may be null.
+// Cache pointers are passed as bytes; unused scale pointers may be null. k, v, cos, sin, slots: the new token
+// (NewToken; k null: q is already rotated and the new key and value already in the cache).
 // KT: keys per warp tile. MIN_BLOCKS: blocks per SM that __launch_bounds__ asks registers for (2: at most 128 per
 // thread); the variants whose tiles need more registers (ptxas spills at 128) keep one block of 8 warps per SM.
 // The launcher reads the resident blocks per SM off the compiled kernel. The d256 variants run warp pairs (see the
 // top of the file) with the per-warp shapes, KT and register use of the d128 ones.
 #define PAGED_DECODE(MODE, DH, KB, VB, KT, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) paged_decode_##MODE##_d##DH(              \
-        const half* q, const unsigned char* k_cache, const unsigned char* v_cache, const half* k_scales,        \
-        const half* v_scales, const int* block_tables, const int* seq_lens, const long long* positions,         \
-        const int* row_seq, half* out, float* part_acc, float2* part_ml, int* counters, int n_heads,            \
-        int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window, float cap_in, \
-        float cap_out) {                                                                                        \
+        const half* q, unsigned char* k_cache, unsigned char* v_cache, half* k_scales, half* v_scales,          \
+        const half* k, const half* v, const half* cos, const half* sin, const long long* slots,                 \
+        const int* block_tables, const int* seq_lens, const long long* positions, const int* row_seq,           \
+        half* out, float* part_acc, float2* part_ml, int* counters, int n_heads, int n_kv_heads, int max_pages, \
+        int page_size, int n_splits, float scale_log2, int window, float cap_in, float cap_out) {               \
         exl::pdl_trigger();  /* dependent launch (common.cuh): paged_decode waits once it has the row's keys */  \
-        paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,           \
-                                     positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv_heads,  \
-                                     max_pages, page_size, n_splits, scale_log2, window, cap_in, cap_out);       \
+        paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, NewToken{k, v, cos, sin, slots},  \
+                                     block_tables, seq_lens, positions, row_seq, out, part_acc, part_ml,        \
+                                     counters, n_heads, n_kv_heads, max_pages, page_size, n_splits, scale_log2, \
+                                     window, cap_in, cap_out);                                                  \
     }
 
 PAGED_DECODE(fp16, 16, 16, 16, 32, 2)

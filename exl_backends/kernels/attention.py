@@ -7,7 +7,8 @@ All take the sliding window and the soft-cap of reference.paged_attention; with 
 of keys that no query of the pass can see.
 
 Decode batches (one new token per sequence, the case captured in a CUDA graph) go to the decode kernel with no host
-reads: the grid depends only on the batch size and the block table's width. Mixed batches (eager) read the
+reads: the grid depends only on the batch size and the block table's width. From the projections (rope_attention)
+that kernel also applies RoPE and writes the new keys and values, so a decode layer's attention is one launch. Mixed batches (eager) read the
 sequence lengths on the host once per batch and send each sequence its own way; the index tensors that takes are
 made once per batch, not per layer (batch.derived)."""
 from __future__ import annotations
@@ -71,10 +72,27 @@ def paged_attention(q: Tensor, cache, layer: int, batch, scale: float, window: i
     return _mixed(q, cache, layer, batch, scale, window, softcap)
 
 
+def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, batch,
+                   scale: float, window: int | None = None, softcap: float | None = None) -> Tensor:
+    """ops.rope_attention on CUDA: RoPE on q [T, H, Dh] and k [T, Hkv, Dh] (cos, sin [T, Dh]), k and v into the
+    cache at batch.slots, then paged_attention. A decode batch whose kv heads have at most 8 query heads each (one
+    block of the kernel: no two blocks write one key) takes one launch, the kernel writing each new key and value
+    before it reads them; anything else rope_write's launch, then paged_attention."""
+    if q.shape[0] != batch.n_seqs or q.shape[1] // k.shape[1] > HEADS_PER_BLOCK:
+        q = kv_cache.rope_write(q, k, v, cos, sin, cache, layer, batch.slots)
+        return paged_attention(q, cache, layer, batch, scale, window, softcap)
+    if batch.page_size % PAGE_ALIGN:
+        raise ValueError(f"page_size {batch.page_size} is not a multiple of {PAGE_ALIGN}")
+    new = tuple(kv_cache.half_pairs(x) for x in (k, v, cos, sin)) + (batch.slots.to(torch.int64).contiguous(),)
+    return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap, new)
+
+
 def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Tensor | None,
-            scale: float, window: int | None = None, softcap: float | None = None) -> Tensor:
+            scale: float, window: int | None = None, softcap: float | None = None,
+            new: tuple[Tensor, ...] | None = None) -> Tensor:
     """Attention of single query rows: q [R, H, Dh] at positions [R] (int64), row r of sequence row_seq[r]
-    (int32 [R]; None: r). One launch, no host reads, so CUDA-graph safe."""
+    (int32 [R]; None: r). One launch, no host reads, so CUDA-graph safe. new: the rows' new tokens (k, v, cos, sin,
+    slots) for the kernel to rotate q and k and write k and v itself (rope_attention's decode rows), q unrotated."""
     q = aligned(q.contiguous())     # the kernel reads query rows in 16-byte pieces
     rows, n_heads, head_dim = q.shape
     n_kv = cache.config.n_kv_heads
@@ -95,8 +113,8 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
     if rows:
         launch("attention", kernel, grid=(n_splits, n_kv * head_blocks, rows),
                block=(THREADS,),
-               args=(q, c.k, c.v, c.k_scales, c.v_scales, batch.block_tables, batch.seq_lens,
-                     positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv, max_pages,
+               args=(q, c.k, c.v, c.k_scales, c.v_scales, *(new or (None,) * 5), batch.block_tables,
+                     batch.seq_lens, positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv, max_pages,
                      batch.page_size, n_splits, scale * LOG2E, window or 0,
                      scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0))
     return out

@@ -19,4 +19,5 @@ OPS = dict(
     softcap=activation.softcap,
     moe=moe.moe,
     attention_options=frozenset({"window", "softcap"}),
+    rope_attention=attention.rope_attention,
 )

@@ -19,40 +19,15 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 namespace {
 
-using exl::FULL_MASK;
 using exl::hadamard32;
+using kv::quantize_chunk;
+using kv::rope_pair;
 
 constexpr int WARPS = 4;   // warps per block; each warp handles one 64-element chunk
-
-// Lane l of the warp owns elements 2l (even) and 2l+1 (odd) of one chunk, x: quantizes both, writes their codes,
-// and lanes 0 and 16 write the scales of the chunk's two groups (lanes 0-15 hold group 0, lanes 16-31 group 1).
-__device__ __forceinline__ void quantize_chunk(half2 x, unsigned char* __restrict__ codes, half* __restrict__ scales,
-                                               int chunk, int bits, int lane) {
-    const float2 xf = __half22float2(x);
-    const float ye = hadamard32(xf.x, lane);
-    const float yo = hadamard32(xf.y, lane);
-    float amax = fmaxf(fabsf(ye), fabsf(yo));
-#pragma unroll
-    for (int span = 8; span >= 1; span >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, span));   // over the 16 lanes of the group
-    const float half_range = bits == 8 ? 128.f : 8.f;
-    const float top = 2.f * half_range - 1.f;
-    // reference: inv = half / amax (torch: reciprocal(amax) * half, exact since half is a power of two)
-    const float inv = amax > 0.f ? __fmul_rn(__frcp_rn(amax), half_range) : 0.f;
-    const float qe = fminf(fmaxf(rintf(__fadd_rn(__fmul_rn(ye, inv), half_range)), 0.f), top);
-    const float qo = fminf(fmaxf(rintf(__fadd_rn(__fmul_rn(yo, inv), half_range)), 0.f), top);
-    if (bits == 8) {
-        reinterpret_cast<uchar2*>(codes)[chunk * 32 + lane] =
-            make_uchar2((unsigned char)qe, (unsigned char)qo);
-    } else {
-        codes[chunk * 32 + lane] = (unsigned char)((unsigned)qe | ((unsigned)qo << 4));
-    }
-    if ((lane & 15) == 0)
-        scales[chunk * 2 + (lane >> 4)] = __float2half_rn(__fmul_rn(amax, 1.f / half_range));
-}
 
 // Inverse of quantize_chunk for one chunk: lane l produces elements 2l and 2l+1 as fp16, exactly as
 // reference.dequantize_kv: (code - half) * scale in f32, the same transform, / 32, rounded to fp16.
@@ -73,26 +48,6 @@ __device__ __forceinline__ half2 dequantize_chunk(const unsigned char* __restric
     return __floats2half2_rn(__fmul_rn(ye, 1.f / 32.f), __fmul_rn(yo, 1.f / 32.f));
 }
 
-
-__device__ __forceinline__ half mul(half a, half b) {
-    return __float2half_rn(__fmul_rn(__half2float(a), __half2float(b)));
-}
-
-__device__ __forceinline__ half add(half a, half b) {
-    return __float2half_rn(__fadd_rn(__half2float(a), __half2float(b)));
-}
-
-// Elements d, d+1 (d even) of the head row x [head_dim] after RoPE with the token's cos/sin rows [head_dim].
-__device__ __forceinline__ half2 rope_pair(const half* __restrict__ x, const half* __restrict__ cos,
-                                           const half* __restrict__ sin, int d, int head_dim) {
-    const int h = head_dim / 2;
-    const half2 xv = *reinterpret_cast<const half2*>(x + d);
-    const half2 other = *reinterpret_cast<const half2*>(x + (d < h ? d + h : d - h));
-    const half2 rot = d < h ? __hneg2(other) : other;
-    const half2 c = *reinterpret_cast<const half2*>(cos + d), s = *reinterpret_cast<const half2*>(sin + d);
-    return __halves2half2(add(mul(__low2half(xv), __low2half(c)), mul(__low2half(rot), __low2half(s))),
-                          add(mul(__high2half(xv), __high2half(c)), mul(__high2half(rot), __high2half(s))));
-}
 
 // rope_kv_write<QUANT>: for T tokens, q_out = rope(q); rope(k) and v into the cache at slots[t].
 // q [T, H, Dh], k and v [T, Hkv, Dh] fp16 (contiguous, 4-byte aligned); cos, sin [T, Dh] fp16; Dh % 4 == 0.

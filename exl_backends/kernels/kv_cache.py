@@ -49,7 +49,7 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache,
     n_kv = k.shape[1]
     if head_dim % 4:
         raise ValueError(f"rope_write needs head_dim % 4 == 0 (got {head_dim})")
-    q, k, v, cos, sin = (_half_pairs(x) for x in (q, k, v, cos, sin))
+    q, k, v, cos, sin = (half_pairs(x) for x in (q, k, v, cos, sin))
     q_out = torch.empty_like(q)
     warps = -(-n_heads * head_dim // 64) + 2 * -(-n_kv * head_dim // 64)      # per token: q, then k, then v
     if tokens:
@@ -65,8 +65,9 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache,
     return q_out
 
 
-def _half_pairs(x: Tensor) -> Tensor:
-    """Contiguous fp16 with 4-byte aligned rows (rope_kv_write moves element pairs)."""
+def half_pairs(x: Tensor) -> Tensor:
+    """Contiguous fp16 with 4-byte aligned rows (rope_kv_write and the decode attention with RoPE move element
+    pairs)."""
     return aligned(x.to(torch.float16).contiguous(), 4)
 
 

@@ -25,21 +25,35 @@ class Attention:
                         if value is not None}
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
-        return self.o(self.attend(self.project(self.qkv(x), batch.slots, cache, cos, sin, ops), batch, cache, ops))
+        return self.o(self.rope_attend(self.qkv(x), batch, cache, cos, sin, ops))
+
+    def rope_attend(self, qkv: list[Tensor], batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor,
+                    ops: Ops) -> Tensor:
+        """The outputs of self.qkv [T, *] -> the attention output [T, H * Dh], the roped keys and the values
+        written into cache at batch.slots: project, then attend (on CUDA one launch for a decode batch)."""
+        q, k, v = self.heads(qkv, ops)
+        out = ops.rope_attend(q, k, v, cos, sin, cache, self.layer, batch, self.scale, **self.options)
+        return out.reshape(q.shape[0], self.n_heads * self.head_dim)
 
     def project(self, qkv: list[Tensor], slots: Tensor, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
         """The outputs of self.qkv [T, *] -> the roped queries [T, H, Dh]; the roped keys and the values written
         into cache at slots. Row by row (a CUDA graph of many tokens captures it; attend, which mixes rows, runs
         between such graphs)."""
+        q, k, v = self.heads(qkv, ops)
+        return ops.rope_write(q, k, v, cos, sin, cache, self.layer, slots)   # k roped; k, v into the cache
+
+    def heads(self, qkv: list[Tensor], ops: Ops) -> tuple[Tensor, Tensor, Tensor]:
+        """The outputs of self.qkv [T, *] as q [T, H, Dh], k and v [T, Hkv, Dh], q and k normed where the
+        architecture norms them."""
         q, k, v = qkv
         t = q.shape[0]
-        q = q.view(t, self.n_heads, self.head_dim)                         # [T, H, Dh]
-        k = k.view(t, self.n_kv_heads, self.head_dim)                      # [T, Hkv, Dh]
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
         v = v.view(t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.norm_eps).view(q.shape)
             k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.norm_eps).view(k.shape)
-        return ops.rope_write(q, k, v, cos, sin, cache, self.layer, slots)   # k roped; k, v into the cache
+        return q, k, v
 
     def attend(self, q: Tensor, batch: Batch, cache: KVCache, ops: Ops) -> Tensor:
         """q [T, H, Dh] -> the attention output [T, H * Dh], ahead of the o projection."""

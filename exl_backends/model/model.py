@@ -175,8 +175,10 @@ class Model:
         else:
             h, residual = (t.to(stage.device) for t in carry)
         for i in stage.layers:
-            q, residual = self.project(i, h, residual, batch.slots, cache, ropes)
-            h, residual = self.after_attention(i, self.blocks[i].attention.attend(q, batch, cache, self.ops), residual)
+            attention = self.blocks[i].attention
+            qkv, residual = self.qkv(i, h, residual)
+            attn = attention.rope_attend(qkv, batch, cache, *ropes[self.blocks[i].local_rope], self.ops)
+            h, residual = self.after_attention(i, attn, residual)
         megakernel.flush()                      # (inside megakernel.chaining: the last block's matmuls)
         if k + 1 < len(self.stages):
             return h, residual
@@ -198,14 +200,20 @@ class Model:
             h = h * self.embed_scale
         return h, None
 
-    def project(self, i: int, h: Tensor, residual: Tensor | None, slots: Tensor, cache: KVCache,
-                ropes: dict[bool, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """Block i up to its attention, from the stream (h, residual): (the roped queries [T, H, Dh], the residual
-        with h added); keys and values written into cache at slots."""
+    def qkv(self, i: int, h: Tensor, residual: Tensor | None) -> tuple[list[Tensor], Tensor]:
+        """Block i's q/k/v projections of the stream (h, residual): (their outputs, the residual with h added)."""
         block = self.blocks[i]
         qkv, residual = block.attention.qkv.after_norm(h, residual, block.input_norm, self.config.rms_norm_eps,
                                                        self.ops)
         megakernel.flush()      # inside megakernel.chaining, the matmuls since the last attention run now
+        return qkv, residual
+
+    def project(self, i: int, h: Tensor, residual: Tensor | None, slots: Tensor, cache: KVCache,
+                ropes: dict[bool, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Block i up to its attention, from the stream (h, residual): (the roped queries [T, H, Dh], the residual
+        with h added); keys and values written into cache at slots."""
+        qkv, residual = self.qkv(i, h, residual)
+        block = self.blocks[i]
         return block.attention.project(qkv, slots, cache, *ropes[block.local_rope], self.ops), residual
 
     def after_attention(self, i: int, attn: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:

@@ -34,6 +34,16 @@ class Ops:
     softcap: Callable | None = None             # Gemma's final-logit soft-capping
     moe: Callable | None = None                 # Mixtral / Qwen3-MoE: routed experts (reference.moe)
     attention_options: frozenset[str] = frozenset()   # paged_attention's optional keywords: "window", "softcap"
+    # rope_attend in one op (the CUDA bundle's: a decode batch in one launch); None: rope_write, then paged_attention
+    rope_attention: Callable | None = None
+
+    def rope_attend(self, q, k, v, cos, sin, cache, layer: int, batch, scale: float, **options):
+        """The attention of a block's new tokens from their projections q [T, H, Dh], k and v [T, Hkv, Dh]:
+        rope_write at batch.slots, then paged_attention."""
+        if self.rope_attention is not None:
+            return self.rope_attention(q, k, v, cos, sin, cache, layer, batch, scale, **options)
+        q = self.rope_write(q, k, v, cos, sin, cache, layer, batch.slots)
+        return self.paged_attention(q, cache, layer, batch, scale, **options)
 
     def norm_residual(self, h, residual, w, eps: float):
         """(rmsnorm(r) * w, r) for the residual stream r = residual + h, or r = h where the stream starts (residual

@@ -193,6 +193,43 @@ def test_decode_replays_in_a_cuda_graph(mode, shape):
 
 
 @on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(8, 4, 128), (8, 4, 64), (2, 8, 64), (3, 1, 128), (2, 12, 64), (4, 2, 256),
+                                   (2, 2, 32)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_rope_attention_is_rope_write_then_attention(mode, shape, window):
+    """A decode batch from its projections (rope_attention: the kernel rotates q and k and writes the new keys and
+    values itself; a group of 12 query heads takes rope_write's launch first): the cache after it bit for bit
+    rope_write's, the output bit for bit the attention kernel's on that cache with rope_write's q. Rows of 1 to
+    5,000 keys (one split and several: the writing block is the last split's), the new key on and off page
+    boundaries, random page tables."""
+    from exl_backends.kernels import attention, kv_cache
+    hkv, group, dh = shape
+    if mode != "fp16" and dh % 64:
+        pytest.skip("quantized caches need head_dim % 64 == 0")
+    specs = [(n - 1, 1) for n in DECODE_LENS]
+    lists, n_pages = shuffled_pages(specs, 256, seed=dh + group)
+    (ours, g), (theirs, _) = (filled_cache(shape, mode, n_pages, 256, seed=dh + group) for _ in range(2))
+    batch = Batch.build([SeqChunk([1], start, pages) for (start, _), pages in zip(specs, lists)], 256, "cuda")
+    rows = len(specs)
+    q = (torch.randn(rows, hkv * group, dh, device="cuda", generator=g) * 1.5).half()
+    k = torch.randn(rows, hkv, dh, device="cuda", generator=g).half()
+    v = (torch.randn(rows, hkv, dh, device="cuda", generator=g) - 0.3).half()
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dh, 2, device="cuda").float() / dh))
+    cos, sin = reference.rope_cos_sin(batch.positions, inv_freq, 1.0, torch.float16)
+    options = {} if window is None else {"window": window}
+    poison_allocator()
+    out = attention.rope_attention(q, k, v, cos, sin, ours, 0, batch, dh ** -0.5, **options)
+    q_rot = kv_cache.rope_write(q, k, v, cos, sin, theirs, 0, batch.slots)
+    a, b = ours.layers[0], theirs.layers[0]
+    for x, y in ((a.k, b.k), (a.v, b.v), (a.k_scales, b.k_scales), (a.v_scales, b.v_scales)):
+        if x is not None:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert torch.equal(out, attention.paged_attention(q_rot, theirs, 0, batch, dh ** -0.5, **options))
+    assert_attention_close(out, reference.paged_attention(q_rot, theirs, 0, batch, dh ** -0.5, **options))
+
+
+@on_gpu
 def test_wide_block_table_and_padding_rows():
     """The decode graph's batch: a table wider than any sequence needs (padded with a trash page) and padding rows
     that see one token of the trash page."""
