@@ -229,6 +229,38 @@ def test_rope_attention_is_rope_write_then_attention(mode, shape, window):
     assert_attention_close(out, reference.paged_attention(q_rot, theirs, 0, batch, dh ** -0.5, **options))
 
 
+@pytest.mark.parametrize("group, fused", [(4, True), (8, True), (12, False)])
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_rope_attention_picks_one_launch_for_decode_batches(monkeypatch, group, new_tokens, fused):
+    """CPU, launches recorded instead of run: a decode batch whose kv heads have at most 8 query heads is one launch
+    of the decode kernel carrying the new tokens' k, v, cos, sin and slots; a larger group, or rows that are not
+    alone in their sequence (verify rows), first launch rope_kv_write and give the kernel none of them."""
+    from exl_backends.kernels import attention, kv_cache
+    launches = []
+
+    def record(family, kernel, grid, block, args):
+        launches.append((kernel, args))
+    monkeypatch.setattr(attention, "launch", record)
+    monkeypatch.setattr(kv_cache, "launch", record)
+    monkeypatch.setattr(attention, "_n_splits", lambda *_: 1)      # reads the compiled kernel's registers
+    hkv, dh = 2, 64
+    cache = KVCache(attention_config(hkv * group, hkv, dh), 4, 32, "q4", "cpu", torch.float16)
+    batch = Batch.build([SeqChunk([1] * new_tokens, 40, [1, 0]), SeqChunk([1] * new_tokens, 5, [2])], 32, "cpu")
+    t = 2 * new_tokens
+    q, k, v = torch.randn(t, hkv * group, dh).half(), torch.randn(t, hkv, dh).half(), torch.randn(t, hkv, dh).half()
+    cos, sin = torch.randn(t, dh).half(), torch.randn(t, dh).half()
+    attention.rope_attention(q, k, v, cos, sin, cache, 0, batch, 0.125)
+    kernels = [kernel for kernel, _ in launches]
+    if fused and new_tokens == 1:
+        assert kernels == ["paged_decode_q4_d64"]
+        new_k, new_v, new_cos, new_sin, slots = launches[0][1][5:10]
+        assert torch.equal(new_k, k) and torch.equal(new_v, v) and torch.equal(new_cos, cos)
+        assert torch.equal(new_sin, sin) and torch.equal(slots, batch.slots)
+    else:
+        assert kernels == ["rope_kv_write_quant", "paged_decode_q4_d64"]
+        assert launches[1][1][5:10] == (None,) * 5
+
+
 @on_gpu
 def test_wide_block_table_and_padding_rows():
     """The decode graph's batch: a table wider than any sequence needs (padded with a trash page) and padding rows
