@@ -199,12 +199,12 @@ __device__ void decode_segment(const Segment<N>& s)
 //   After the op's wait the block copies its split's staged x and corrections (stage_xs's output in global memory)
 //   into shared memory (xs_smem): bench_pipeline measured x read from global memory after every wait at 50 % of the
 //   bound against 71 % from shared memory (8B, H100).
-// A CTA: 288 threads (megakernel.py RING_THREADS), at most 112 registers (__maxnreg__: two CTAs an SM).
 // Dynamic shared memory: [0, xs_smem) as the kernel above (a stage's row, a matmul's chunk_meta), then x and its
 // corrections (72 bytes a chunk of the longest split), then the ring at ring_smem (ring_slots slots of RING_SLOT).
 // Results are the launch-per-op kernel's bits: each warp still walks its strip's chunks in order with the same sums.
 constexpr int RING_PIECE = 2048;              // >= batch<B>() * 128 * B for every width (2 KB at 8 bits)
 constexpr int RING_SLOT = qmm::WARPS * RING_PIECE;
+constexpr int RING_THREADS = qmm::THREADS + 32;
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(qmm::THREADS) : "memory"); }
 
@@ -301,8 +301,7 @@ __device__ __forceinline__ void fill_width(const RingBlock& rb, int strips_per_b
 }
 
 // A consumer warp's chunks of width run I of its block from the ring (warps without a strip: the slots waited for
-// and released). Full batches are pipelined as walk_run's: the next batch's words and group records are loaded
-// (and its slot released) before the current batch's MMAs, so the group records' L2 reads overlap the math.
+// and released).
 template <int I, class Fmt, class Sink>
 __device__ __forceinline__ void drain_width(const RingBlock& rb, const typename Fmt::Cursor& cur, const int2* meta_s,
                                             bool mine, const Ring& ring, int& it, int warp, int lane, Sink& sink)
@@ -312,37 +311,23 @@ __device__ __forceinline__ void drain_width(const RingBlock& rb, const typename 
     if constexpr (Fmt::template has_width<B>()) {
         const Part& pt = *rb.pt;
         const int lo = max(rb.c0, pt.run_start[I]), hi = min(rb.c1, pt.run_start[I + 1]);
-        if (!mine) {
-            for (int c = lo; c < hi; c += U, ++it) {
-                ring.wait_full(it);
+        for (int c = lo; c < hi; c += U, ++it) {
+            const unsigned char* piece = ring.piece(ring.wait_full(it), warp);
+            if (!mine) {
+                ring.release(it, lane);
+            } else if (c + U <= hi) {
+                Batch<U, B, Fmt, Sink> now;
+                now.fetch_shared(cur, meta_s + (c - rb.c0), piece, lane, c, sink);
+                ring.release(it, lane);
+                now.consume(c, sink);
+            } else {                             // the run's last chunks: fewer than a batch
+                for (int u = 0; u < hi - c; ++u) {
+                    Batch<1, B, Fmt, Sink> one;
+                    one.fetch_shared(cur, meta_s + (c + u - rb.c0), piece + u * 128 * B, lane, c + u, sink);
+                    one.consume(c + u, sink);
+                }
                 ring.release(it, lane);
             }
-            return;
-        }
-        int c = lo;
-        if (c + U <= hi) {
-            Batch<U, B, Fmt, Sink> now;
-            now.fetch_shared(cur, meta_s + (c - rb.c0), ring.piece(ring.wait_full(it), warp), lane, c, sink);
-            ring.release(it++, lane);
-            for (; c + 2 * U <= hi; c += U) {
-                Batch<U, B, Fmt, Sink> next;
-                next.fetch_shared(cur, meta_s + (c + U - rb.c0), ring.piece(ring.wait_full(it), warp), lane, c + U,
-                                  sink);
-                ring.release(it++, lane);
-                now.consume(c, sink);
-                now = next;
-            }
-            now.consume(c, sink);
-            c += U;
-        }
-        if (c < hi) {                                  // the run's last chunks: fewer than a batch, one slot
-            const unsigned char* piece = ring.piece(ring.wait_full(it), warp);
-            for (int u = 0; u < hi - c; ++u) {
-                Batch<1, B, Fmt, Sink> one;
-                one.fetch_shared(cur, meta_s + (c + u - rb.c0), piece + u * 128 * B, lane, c + u, sink);
-                one.consume(c + u, sink);
-            }
-            ring.release(it++, lane);
         }
     }
 }
@@ -537,7 +522,7 @@ __device__ void decode_ring(const Segment<N>& s)
 #endif
 
 #define MK_RING(NAME, FMT, N)                                                                                         \
-    extern "C" __global__ void __maxnreg__(112) NAME(const __grid_constant__ mk::Segment<N> s)   \
+    extern "C" __global__ void __launch_bounds__(mk::RING_THREADS, 2) NAME(const __grid_constant__ mk::Segment<N> s)   \
     {                                                                                                                  \
         MK_RING_BODY(FMT, N)                                                                                           \
     }
