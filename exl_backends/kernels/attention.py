@@ -8,9 +8,9 @@ of keys that no query of the pass can see.
 
 Decode batches (one new token per sequence, the case captured in a CUDA graph) go to the decode kernel with no host
 reads: the grid depends only on the batch size and the block table's width. From the projections (rope_attention)
-that kernel also applies RoPE and writes the new keys and values, so a decode layer's attention is one launch. Mixed batches (eager) read the
-sequence lengths on the host once per batch and send each sequence its own way; the index tensors that takes are
-made once per batch, not per layer (batch.derived)."""
+that kernel also applies RoPE and writes the new keys and values, so a decode layer's attention is one launch.
+Mixed batches (eager) read the sequence lengths on the host once per batch and send each sequence its own way; the
+index tensors that takes are made once per batch, not per layer (batch.derived)."""
 from __future__ import annotations
 
 import dataclasses

@@ -175,9 +175,9 @@ class Model:
         else:
             h, residual = (t.to(stage.device) for t in carry)
         for i in stage.layers:
-            attention = self.blocks[i].attention
+            block = self.blocks[i]
             qkv, residual = self.qkv(i, h, residual)
-            attn = attention.rope_attend(qkv, batch, cache, *ropes[self.blocks[i].local_rope], self.ops)
+            attn = block.attention.rope_attend(qkv, batch, cache, *ropes[block.local_rope], self.ops)
             h, residual = self.after_attention(i, attn, residual)
         megakernel.flush()                      # (inside megakernel.chaining: the last block's matmuls)
         if k + 1 < len(self.stages):
