@@ -529,3 +529,63 @@ def test_result_after_iterating_says_the_chunks_were_taken(tiny):
     assert len([t for chunk in job for t in chunk.token_ids]) == 3
     with pytest.raises(RuntimeError, match="already taken by iterating"):
         job.result()
+
+
+# ---- what needs the tokenizer --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ngram", [False, True])
+def test_a_job_without_text_gives_the_same_tokens_and_no_text(tiny, ngram):
+    model, _ = tiny
+    prompt = random_prompts(1, seed=18)[0]
+    with_text = make(model, ngram_draft=ngram).generate(prompt, max_new_tokens=NEW, stop_token_ids=[], logprobs=2)
+    chunks = list(make(model, ngram_draft=ngram).stream(prompt, max_new_tokens=NEW, stop_token_ids=[], logprobs=2,
+                                                         text=False))
+    assert [t for c in chunks for t in c.token_ids] == with_text.token_ids and len(chunks) > 1
+    assert [lp for c in chunks for lp in c.logprobs] == with_text.logprobs
+    assert all(c.text == "" for c in chunks) and chunks[-1].finish_reason == "length"
+    stop = with_text.token_ids[3]
+    r = make(model).generate(prompt, max_new_tokens=NEW, stop_token_ids=[stop], text=False)
+    assert r.finish_reason == "stop" and r.token_ids == with_text.token_ids[:with_text.token_ids.index(stop) + 1]
+    for text_only in (dict(stop="a"), dict(banned_strings=["a"]), dict(stop_check=lambda text: False)):
+        with pytest.raises(ValueError, match="text=True"):
+            make(model).submit(prompt, text=False, **text_only)
+
+
+def test_token_id_jobs_without_text_load_no_tokenizer(tiny):
+    lazy = ExlForCausalLM.from_pretrained(tiny[0].name_or_path, device="cpu")
+    gen = make(lazy)
+    gen.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[510], text=False,
+                 sampling=SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.2, seed=1))
+    assert "tokenizer" not in lazy.__dict__ and "tokenizer" not in gen.__dict__ and "eos_ids" not in gen.__dict__
+    gen.generate([1, 2, 3], max_new_tokens=4, text=False)          # the default stops: the tokenizer's EOS too
+    assert "tokenizer" in lazy.__dict__ and gen.tokenizer is lazy.tokenizer
+    dry = make(ExlForCausalLM.from_pretrained(tiny[0].name_or_path, device="cpu"))
+    dry.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], text=False,
+                 sampling=SamplingParams(dry_multiplier=0.8))      # DRY's breakers are tokenized
+    assert "tokenizer" in dry.__dict__
+
+
+def eager_eos_ids(path) -> frozenset[int]:
+    """What Generator.__init__ made before the tokenizer loaded lazily: config's EOS ids and the tokenizer's."""
+    from transformers import AutoTokenizer
+    from exl_backends.model.config import ModelConfig
+    eos = AutoTokenizer.from_pretrained(str(path)).eos_token_id
+    return frozenset(ModelConfig.from_dir(path).eos_token_ids) | ({eos} if eos is not None else set())
+
+
+def test_eos_ids_are_the_configs_and_the_tokenizers(tmp_path):
+    from conftest import FIXTURES
+    save_tiny(tmp_path, tiny_config("llama", eos_token_id=[7, 8]))          # the tokenizer's EOS is 510
+    dirs = [tmp_path, *sorted((FIXTURES / "exl2").iterdir()), *sorted((FIXTURES / "hf").iterdir())]
+    for path in dirs:
+        gen = make(ExlForCausalLM.from_pretrained(path, device="cpu"), cache_tokens=64)
+        assert gen.eos_ids == eager_eos_ids(path), path
+    assert eager_eos_ids(tmp_path) == {7, 8, 510}
+
+
+@pytest.mark.slow
+def test_eos_ids_of_the_default_model():
+    from exl_backends.commands.quickstart import default_model_dir
+    path = default_model_dir()
+    gen = make(ExlForCausalLM.from_pretrained(path, device="cpu", max_seq_len=64), cache_tokens=64)
+    assert gen.eos_ids == eager_eos_ids(path)

@@ -22,7 +22,7 @@ from ..model import planner
 from ..model.batch import Batch, SeqChunk
 from ..model.cache import KVCache, check_mode
 from ..model.config import ModelConfig
-from ..model.loading import default_dtype, hf_loading_arguments, load_tokenizer  # noqa: F401
+from ..model.loading import check_tokenizer_files, default_dtype, hf_loading_arguments, load_tokenizer
 from ..model.model import Model
 from ..model.placement import plan as plan_split
 
@@ -39,10 +39,22 @@ class ExlForCausalLM:
     page_size = 256
 
     def __init__(self, model: Model, tokenizer, path: Path, max_seq_len: int, cache_mode: str):
-        self.model, self.tokenizer, self.name_or_path = model, tokenizer, str(path)
+        """tokenizer None: the directory's, loaded when first read."""
+        self.model, self.name_or_path = model, str(path)
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
         self.exl_config: ModelConfig = model.config
         self.max_seq_len, self.cache_mode = max_seq_len, cache_mode
         self.placement = None           # a layer split's placement.Placement (which device holds which layers)
+
+    # The tokenizer, loaded when first read (text prompts, decoding text, chat templates): transformers'
+    # AutoModelForCausalLM loads none either, and decoding from token ids (generate(input_ids)) never needs it.
+    # Loaded eagerly it took 0.96-1.68 s of an 8B warm load on the H100, mostly `import transformers`, which
+    # generate() still does for its GenerationConfig; the tokenizer's classes and file were 0.17 s of SmolLM2's
+    # from_pretrained on the 2-core CPU machine. from_pretrained checks that its files exist. Assignable.
+    @functools.cached_property
+    def tokenizer(self):
+        return load_tokenizer(Path(self.name_or_path))
 
     # transformers' config objects, made when first read: a model-config class's module imports transformers'
     # auto-model chain (its docstring decorator reaches modeling_auto, and with it torch.distributed.tensor), seconds
@@ -65,6 +77,7 @@ class ExlForCausalLM:
         """Loads a model directory (fp16/bf16/fp32, EXL2 or GPTQ safetensors). transformers' spellings are
         accepted too: torch_dtype= (for dtype), device_map= (one device: "auto", "cuda:0", {"": 0}); and
         local_files_only= / trust_remote_code=, which change nothing (nothing is downloaded, no code is run).
+        The tokenizer (.tokenizer) loads when first read; a directory without tokenizer files fails here.
 
         Several GPUs: gpu_split="auto" (or GiB per GPU, e.g. [20, 24]) places the layers in order over the visible
         GPUs, planned against their free memory (device: the list of devices to split over, default every visible
@@ -85,10 +98,7 @@ class ExlForCausalLM:
         device, dtype = hf_loading_arguments(device, dtype, hf_kwargs)
         path = Path(path)
         config = ModelConfig.from_dir(path)
-        # loaded before the weights (its errors come first), not beside them in a thread: the weights' torch calls each
-        # wait for the GIL while the tokenizer's import holds it; no faster on the 2-core CPU machine and
-        # slower on the GPU one (8B warm, H100, 2026-12-06: 4.0-4.4 s beside; its parts timed one by one summed to 3.6)
-        tokenizer = load_tokenizer(path)
+        check_tokenizer_files(path)                     # the tokenizer itself loads when first used
         check_mode(cache_mode, config)
         checkpoint = formats.open_checkpoint(path)      # refuses AWQ, GGUF, FP8, EXL3, ... with what to do
         dtype = dtype or default_dtype(device)
@@ -103,7 +113,7 @@ class ExlForCausalLM:
         if max_seq_len <= 0:
             raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
         model = Model.load(path, config, device, dtype, None if placement is None else placement.stages())
-        loaded = cls(model, tokenizer, path, max_seq_len, cache_mode)
+        loaded = cls(model, None, path, max_seq_len, cache_mode)
         loaded.placement = placement
         return loaded
 
@@ -209,7 +219,8 @@ class ExlForCausalLM:
             ids, mask = ids.repeat_interleave(n_ret, 0), mask.repeat_interleave(n_ret, 0)
         prompts = [row[m].tolist() for row, m in zip(ids, mask)]
         gen = self._generator_for(len(prompts), ids.shape[1] + max_new)
-        jobs = [gen.submit(p, max_new_tokens=max_new, sampling=s, stop_token_ids=eos, min_new_tokens=min(min_new, max_new))
+        jobs = [gen.submit(p, max_new_tokens=max_new, sampling=s, stop_token_ids=eos,
+                           min_new_tokens=min(min_new, max_new), text=False)
                 for p, s in zip(prompts, _sampling_params(gc, len(prompts)))]
         if streamer is not None:
             streamer.put(ids.cpu())

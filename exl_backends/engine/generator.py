@@ -28,6 +28,7 @@ error in the forward pass fails every job; an error in one job's sampling or con
 reach the job's consumer."""
 from __future__ import annotations
 
+import functools
 import threading
 from array import array
 from collections import deque
@@ -75,7 +76,7 @@ class Generator:
                             ("n_draft_tokens", n_draft_tokens)):
             if value < 1:
                 raise ConfigError(f"Generator {name} must be at least 1, got {value}")
-        self.model, self.tokenizer = model, model.tokenizer
+        self.model = model
         self.config = model.exl_config
         self.max_seq_len = max_seq_len or model.max_seq_len
         self.page_size = page_size or model.page_size
@@ -91,10 +92,6 @@ class Generator:
         self.ngram = ngram_draft
         n_draft = n_draft_tokens if self.draft is not None or ngram_draft else 0
         self.scheduler = Scheduler(self.pages, max_batch_size, max_step_tokens, n_draft)
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
         self._grammar_tokenizer = None
         self.capacity_pages = self.cache.pool.n_free     # what jobs may use: all that is free once set up
         # Whose turn it is. A step runs outside `_turn` while `_stepping` is set; a cancel runs inside it between
@@ -109,6 +106,22 @@ class Generator:
         # from rank 0's host
         self._own_model = isinstance(model.model, Model)
 
+    # The tokenizer and what comes from it are taken when first needed (text and chat prompts, text output, the
+    # default stop tokens, stop strings, constraints, DRY): a job from token ids that wants only token ids back and
+    # names its stop tokens (ExlForCausalLM.generate) never loads it (ExlForCausalLM.tokenizer says why).
+    @functools.cached_property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    @functools.cached_property
+    def eos_ids(self) -> frozenset[int]:
+        """The stop tokens of a job that names none: config.json's and generation_config.json's EOS tokens and
+        the tokenizer's."""
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return frozenset(eos)
+
     # ---- the public API -------------------------------------------------------------------------------------------
 
     def submit(self, prompt: str | list[int] | list[dict], max_new_tokens: int = 256,
@@ -116,7 +129,8 @@ class Generator:
                banned_strings: Iterable[str] | None = (), stop_token_ids: Iterable[int] | None = None,
                json_schema: dict | str | None = None, json_object: bool = False, regex: str | None = None,
                grammar: str | None = None, logprobs: int = 0, min_new_tokens: int = 0, include_stop: bool = False,
-               add_bos: bool | None = None, stop_check: Callable[[str], bool] | None = None) -> Job:
+               add_bos: bool | None = None, stop_check: Callable[[str], bool] | None = None,
+               text: bool = True) -> Job:
         """Queues a job and returns it; iterate it for its chunks, or call .result().
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered with the tokenizer's
@@ -126,12 +140,15 @@ class Generator:
         json_schema / json_object / regex / grammar (Lark, or GBNF): the output is constrained to it (one kind
         at most), and closes itself before max_new_tokens runs out where it can (constraints.py). stop_check:
         called with the text so far after each token; True ends the job there (finish_reason "stop", the text
-        kept whole), as tools.ToolRequest.stop_check ends a reply that repeats a call."""
+        kept whole), as tools.ToolRequest.stop_check ends a reply that repeats a call. text=False: the chunks
+        carry token ids only (text ""), so a prompt of token ids needs no tokenizer (ExlForCausalLM.generate)."""
         ids, template_stops = self._encode(prompt, add_bos)
         stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
         banned = tuple(banned_strings or ())
         if any(not s for s in stop_strings + banned):
             raise ValueError("stop strings and banned strings must not be empty")
+        if not text and (stop_strings or banned or stop_check is not None):
+            raise ValueError("stop strings, banned strings and stop_check read the text: submit with text=True")
         max_tokens = self._check_lengths(ids, max_new_tokens, min_new_tokens)
         params = sampling or GREEDY
         if self.scheduler.n_draft and params.mirostat_tau > 0:
@@ -140,9 +157,11 @@ class Generator:
         if logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {logprobs}")
         stop_ids = (self.eos_ids if stop_token_ids is None else frozenset(stop_token_ids)) | template_stops
-        job = Job(ids.tolist(), max_tokens, len(ids) + min_new_tokens, SamplerState(params, ids, self.tokenizer),
+        state = SamplerState(params, ids, self.tokenizer if params.dry_multiplier > 0 else None)   # DRY's breakers
+        job = Job(ids.tolist(), max_tokens, len(ids) + min_new_tokens, state,
                   self._constraint(json_schema, json_object, regex, grammar, max_tokens - len(ids)), stop_ids, stop_strings, banned, include_stop,
-                  logprobs, self.tokenizer, NgramIndex() if self.ngram else None, self._advance, stop_check)
+                  logprobs, self.tokenizer if text else None, NgramIndex() if self.ngram else None, self._advance,
+                  stop_check)
         if self.draft is not None:
             job.n_draft_cached = 0
         self._inbox.append(job)
@@ -186,14 +205,15 @@ class Generator:
     def _encode(self, prompt, add_bos: bool | None) -> tuple[np.ndarray, frozenset[int]]:
         """The prompt's token ids (int64: SamplerState copies them in ~1 us, a list of 2000 in ~60), and the
         stop tokens its chat template adds."""
-        tok = self.tokenizer
         if isinstance(prompt, str):
+            tok = self.tokenizer
             ids = tok.encode(prompt, add_special_tokens=add_bos is not False)
             if add_bos and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
                 ids = [tok.bos_token_id] + ids
             return np.array(ids, dtype=np.int64), frozenset()
         prompt = list(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
+            tok = self.tokenizer
             text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             return np.array(tok.encode(text, add_special_tokens=False), dtype=np.int64), template_stop_ids(tok)
         try:        # (C loops: a 2000-token prompt's ids are checked in ~50 us, a third of min/max on a list)

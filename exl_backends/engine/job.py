@@ -69,8 +69,8 @@ class Job:
         self.n_cached = 0                       # tokens whose K/V are in the cache (more may be written, unconfirmed)
         self.n_draft_cached: int | None = None  # the same in the draft model's cache, when there is one
         self.n_reused = 0                       # prompt tokens taken from the prefix cache
-        # text
-        self.detok = Detokenizer(tokenizer, prompt_ids)
+        # text (tokenizer None: none, the chunks carry token ids only)
+        self.detok = None if tokenizer is None else Detokenizer(tokenizer, prompt_ids)
         self.n_emitted_chars = self.n_emitted_tokens = 0
         self.stop_at: int | None = None         # where the text ends, when a stop string ended it
         # the consumer's side
@@ -140,14 +140,15 @@ class Job:
             self.logprobs.append(logprob)
         if token in self.stop_ids:
             return self.finish("stop")
-        self.detok.add(token)
-        if self.banned_strings and self._take_back_banned():
-            return False
-        if self.stop_strings:
-            hit = find_first(self.detok.text, self.n_emitted_chars, self.stop_strings)
-            if hit is not None:
-                self.stop_at = hit[0] + (len(hit[1]) if self.include_stop else 0)
-                return self.finish("stop")
+        if self.detok is not None:          # (no text: no stop strings, banned strings or stop_check either)
+            self.detok.add(token)
+            if self.banned_strings and self._take_back_banned():
+                return False
+            if self.stop_strings:
+                hit = find_first(self.detok.text, self.n_emitted_chars, self.stop_strings)
+                if hit is not None:
+                    self.stop_at = hit[0] + (len(hit[1]) if self.include_stop else 0)
+                    return self.finish("stop")
         if self.constraint is not None and self.constraint.is_finished():
             return self.finish("stop")
         if self.stop_check is not None and self.stop_check(self.detok.text):
@@ -176,7 +177,8 @@ class Job:
             self.constraint.rollback(n)
         if self.logprobs:
             del self.logprobs[len(self.logprobs) - n:]
-        self.detok.rollback(n)
+        if self.detok is not None:
+            self.detok.rollback(n)
         if self.ngram is not None:
             self.ngram.truncate(len(self.tokens))
         self.n_cached = min(self.n_cached, len(self.tokens) - 1)
@@ -192,6 +194,8 @@ class Job:
     def next_chunk(self) -> Chunk | None:
         """The output that became safe to show since the last chunk; None while nothing did. Held back: text that
         may still turn into a stop string, and whole tokens whose text may still turn into a banned string."""
+        if self.detok is None:
+            return self._ids_chunk()
         text = self.detok.text
         if self.is_finished:
             if self.stop_at is None:
@@ -213,6 +217,17 @@ class Job:
         if not self.is_finished:
             return Chunk(piece, self.tokens[first:last], logprobs)
         return Chunk(piece, self.tokens[first:last], logprobs, self.finish_reason, self.usage())
+
+    def _ids_chunk(self) -> Chunk | None:
+        """next_chunk of a job without text: its new tokens, all safe to show."""
+        first, last = self.n_prompt + self.n_emitted_tokens, len(self.tokens)
+        if first == last and not self.is_finished:
+            return None
+        self.n_emitted_tokens = self.n_generated
+        logprobs = self.logprobs[first - self.n_prompt:] if self.n_logprobs else None
+        if not self.is_finished:
+            return Chunk("", self.tokens[first:last], logprobs)
+        return Chunk("", self.tokens[first:last], logprobs, self.finish_reason, self.usage())
 
     def usage(self) -> Usage:
         return Usage(self.n_prompt, self.n_generated, self.n_reused)

@@ -67,8 +67,28 @@ def load_tokenizer(path: Path):
             return tokenizer
         return cls.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot load the tokenizer ({e}); the directory needs tokenizer.json "
-                          f"(or the tokenizer files of its Hugging Face model)") from None
+        raise tokenizer_error(path, e) from None
+    except Exception as e:
+        if type(e) is not Exception:    # the tokenizers library reports a broken tokenizer.json as a bare Exception
+            raise
+        raise tokenizer_error(path, e) from None
+
+
+def tokenizer_error(path: Path, why) -> ConfigError:
+    return ConfigError(f"{path}: cannot load the tokenizer ({why}); the directory needs tokenizer.json (or the "
+                       f"tokenizer files of its Hugging Face model)")
+
+
+# Vocabulary files that AutoTokenizer loads from (tokenizer.json; sentencepiece; Mistral's tekken; BPE or WordPiece
+# vocabularies): a directory with none of them has no tokenizer, which from_pretrained says before loading weights.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """load_tokenizer's error for a directory without a tokenizer, found without importing transformers (the
+    tokenizer itself loads when first used; a broken file fails then, with load_tokenizer's message)."""
+    if not any((path / name).is_file() for name in VOCAB_FILES):
+        raise tokenizer_error(path, f"it has none of {', '.join(VOCAB_FILES)}")
 
 
 REMEMBERED = 256                # tokenizer classes kept in tokenizer-classes.json

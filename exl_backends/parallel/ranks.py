@@ -26,7 +26,7 @@ from ..model import model
 from ..model.batch import Batch, upload
 from ..model.cache import CACHE_MODES, KVCache, check_mode
 from ..model.config import ModelConfig
-from ..model.loading import default_dtype, hf_loading_arguments, load_tokenizer
+from ..model.loading import check_tokenizer_files, default_dtype, hf_loading_arguments
 from ..model.runner import DecodeGraphs
 from .load import Rank, check_shardable, load_shard, local_config
 from .memory import RankMemory, plan_memory
@@ -278,6 +278,7 @@ def from_pretrained(cls, path, world: int, device, max_seq_len: int | None, cach
     dtype = dtype or default_dtype(device)
     path = Path(path)
     config = ModelConfig.from_dir(path)
+    check_tokenizer_files(path)                         # the tokenizer itself loads when first used
     check_mode(cache_mode, local_config(config, world) if config.n_kv_heads % world == 0 else config)
     check_shardable(formats.open_checkpoint(path), config, world)
     if max_seq_len is not None and max_seq_len <= 0:
@@ -317,5 +318,4 @@ def from_pretrained(cls, path, world: int, device, max_seq_len: int | None, cach
             dist.destroy_process_group()
         raise SystemExit(0)
     tokens = memory.tokens if memory is not None else max_seq_len or config.max_position_embeddings
-    return cls(TensorParallelModel(local, channel, processes, memory), load_tokenizer(path), path, tokens,
-               cache_mode)
+    return cls(TensorParallelModel(local, channel, processes, memory), None, path, tokens, cache_mode)
