@@ -1,6 +1,7 @@
 """A new user's first minutes, timed (issue 37): the quickstart on a fresh machine, then warm; `exl warmup` on a
 fresh machine, then the quickstart; from_pretrained to the first token of a Llama-3-8B-shape EXL2 4.0 bpw directory,
-cold (empty kernel cache: compilation included) and warm, beside the time to read its weights from the page cache.
+cold (empty kernel cache: compilation included) and warm, beside the time to read its weights from the page cache;
+warm through transformers' API (generate, which imports transformers) and through the engine (Generator.submit).
 
 A fresh machine is a fresh pair of folders under --work: an empty HOME (the quickstart's model cache,
 ~/.cache/exl-backends, and CUDA's own caches live there) and an empty CuPy kernel cache (CUPY_CACHE_DIR). The
@@ -243,9 +244,10 @@ def load_parts(args, results: Results) -> None:
                 what="page cache read", shape=args.shape, bytes=read_bytes, seconds=read_s)
     env = fresh_env(args.work, "load-home")
     kernels = env["CUPY_CACHE_DIR"]
-    for what in ("cold (empty kernel cache)", "warm", "warm again"):
+    for what, route in (("cold (empty kernel cache)", "generate"), ("warm", "generate"), ("warm again", "generate"),
+                        ("warm, through the engine", "engine"), ("warm, through the engine again", "engine")):
         try:
-            t = load_time(str(model_dir), args.device, kernels, env={"HOME": env["HOME"]})
+            t = load_time(str(model_dir), args.device, kernels, env={"HOME": env["HOME"]}, route=route)
         except RuntimeError as e:
             results.add(f"{args.shape} load, {what}: {e}", what=f"load {what}", shape=args.shape, error=str(e))
             break
@@ -256,7 +258,7 @@ def load_parts(args, results: Results) -> None:
                        f"{'met' if total <= WARM_LOAD_TARGET + read_s else 'MISSED'}")
         results.add(f"{args.shape} load, {what}: from_pretrained {t['from_pretrained']:.2f} s + first token "
                     f"{t['first_token']:.2f} s = {total:.2f} s (imports before it {t['imports']:.2f} s){verdict}",
-                    what=f"load {what}", shape=args.shape, bpw=4.0, seconds=total,
+                    what=f"load {what}", route=route, shape=args.shape, bpw=4.0, seconds=total,
                     from_pretrained_s=t["from_pretrained"], first_token_s=t["first_token"], imports_s=t["imports"],
                     page_cache_read_s=read_s)
     if args.profile:

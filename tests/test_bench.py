@@ -143,3 +143,14 @@ def test_bench_schedule_prints_the_planned_step_table(dirs, capsys):
     assert "attention: 2 slices on 2 SMs" in out          # one per KV group of the tiny config
     cli.main(["bench", "-m", str(dirs["mixtral"]), "--device", "cpu", "--schedule"])
     assert "step table" not in capsys.readouterr().out
+
+
+def test_load_time_through_the_engine_imports_no_transformers():
+    """The load probe's two routes to the first token: transformers' generate (which imports transformers for its
+    GenerationConfig) and the engine's Generator, which needs none of it for token ids."""
+    from conftest import FIXTURES
+    model_dir = str(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6")
+    engine, generate = (bench.load_time(model_dir, "cpu", route=r) for r in ("engine", "generate"))
+    assert not engine["transformers_imported"] and generate["transformers_imported"]
+    for t in (engine, generate):
+        assert all(t[k] > 0 for k in ("imports", "from_pretrained", "first_token"))

@@ -265,24 +265,32 @@ from exl_backends import ExlForCausalLM
 t1 = time.perf_counter()
 model = ExlForCausalLM.from_pretrained(sys.argv[1], device=sys.argv[2], max_seq_len=2048)
 t2 = time.perf_counter()
-model.generate(torch.tensor([[1, 2, 3, 4]], device=model.device), max_new_tokens=1, do_sample=False)
+if sys.argv[3] == "engine":
+    from exl_backends import Generator
+    Generator(model).submit([1, 2, 3, 4], max_new_tokens=1, stop_token_ids=[], text=False).result()
+else:
+    model.generate(torch.tensor([[1, 2, 3, 4]], device=model.device), max_new_tokens=1, do_sample=False)
 if model.device.type == "cuda":
     torch.cuda.synchronize()
 t3 = time.perf_counter()
-print(json.dumps({"imports": t1 - t0, "from_pretrained": t2 - t1, "first_token": t3 - t2}))
+print(json.dumps({"imports": t1 - t0, "from_pretrained": t2 - t1, "first_token": t3 - t2,
+                  "transformers_imported": "transformers" in sys.modules}))
 """
 
 
 def load_time(model_dir: str, device: str, kernel_cache: str | None = None,
-              env: dict[str, str] | None = None) -> dict[str, float]:
+              env: dict[str, str] | None = None, route: str = "generate") -> dict[str, float]:
     """Seconds of a fresh process: imports, from_pretrained, then the first token of a 4-token prompt (on CUDA
-    this compiles any kernel the cache lacks). kernel_cache: CuPy's cache directory for the run (an empty one
-    gives the cold figure); None: the user's. env: more variables for the process (an empty HOME, say)."""
+    this compiles any kernel the cache lacks), through transformers' API (route "generate": ExlForCausalLM.generate,
+    which imports transformers for its GenerationConfig) or the engine's ("engine": Generator.submit of token ids,
+    as the server and the adapters decode; no transformers import). kernel_cache: CuPy's cache directory for the run
+    (an empty one gives the cold figure); None: the user's. env: more variables for the process (an empty HOME,
+    say)."""
     env = dict(os.environ, **(env or {}))
     if kernel_cache is not None:
         env["CUPY_CACHE_DIR"] = kernel_cache
-    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(model_dir), device], env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(model_dir), device, route], env=env,
+                         capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"the load-time probe failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
