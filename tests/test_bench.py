@@ -93,7 +93,8 @@ def test_decode_speed_feeds_each_step_the_one_befores_argmax(dirs, monkeypatch):
         return logits
     monkeypatch.setattr(bench.Runner, "forward", spy)
     bench.decode_speed(Model.load(dirs["llama"]), context=40, steps=5, page_size=32, batch=2)
-    assert len(seen) == 9 and seen[0][1] == [40, 40] and seen[-1][1] == [48, 48]
+    n = bench.WARM_STEPS + 5
+    assert len(seen) == n and seen[0][1] == [40, 40] and seen[-1][1] == [40 + n - 1] * 2
     assert all(ids == before[2] for (ids, _, _), before in zip(seen[1:], seen))
     assert len({tuple(ids) for ids, _, _ in seen}) > 1          # the tokens change: not a constant fed back
 

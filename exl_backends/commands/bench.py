@@ -112,6 +112,12 @@ def _cache(model: Model | TensorParallelModel, n_pages: int, page_size: int, cac
                    layer_devices=model.block_devices)
 
 
+# Steps run before the timed ones: the graph's capture and the first steps' one-off costs (lazy kernel loads, the
+# first pinned blocks) stay out of the figure. With 4, the stepped 8B figure was 385 tok/s where the same loop
+# warmed longer ran at 400 (H100, 2026-12-07, benchmarks/host_step.py; docs/engine.md).
+WARM_STEPS = 16
+
+
 def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: str = "fp16", steps: int = 64,
                  page_size: int = 256, batch: int = 1) -> dict:
     """Decode of `batch` sequences at a given context (cache filled with random K/V): tokens/s in all, stepping as
@@ -119,7 +125,7 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
     reads that step's tokens, so the host's read and its next step's inputs overlap the GPU's work), and, for a model
     on one GPU, graph replays alone. bytes: what one GPU reads per step at batch 1 (tensor parallel: rank 0's shard
     and its kv heads' cache)."""
-    n_pages = -(-(context + steps + 8) // page_size)
+    n_pages = -(-(context + WARM_STEPS + steps + 8) // page_size)
     cache = _cache(model, batch * n_pages + 1, page_size, cache_mode)
     fill_cache(cache)
     pages = [cache.pool.allocate(n_pages) for _ in range(batch)]
@@ -146,10 +152,10 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
             done.synchronize()
         return host.tolist()
     logits, top, copy = step(0, None)
-    for i in range(1, 4):
+    for i in range(1, WARM_STEPS):
         logits, top, copy = step(i, top)
     t0 = time.perf_counter()
-    for i in range(4, 4 + steps):
+    for i in range(WARM_STEPS, WARM_STEPS + steps):
         ahead = step(i, top)
         read(copy)                              # the step before's tokens, while this one runs
         logits, top, copy = ahead
