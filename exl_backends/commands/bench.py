@@ -304,13 +304,14 @@ def load_time(model_dir: str, device: str, kernel_cache: str | None = None,
 
 def load_report(model_dir: str, device: torch.device) -> list[str]:
     """`exl bench`'s load lines: from_pretrained to the first token in a fresh process, warm (the kernel cache as
-    it is, the weights in the page cache after the first run) and, on CUDA, cold (an empty kernel cache)."""
-    runs = [("warm", None)]
+    it is, the weights in the page cache after the first run) through generate() and through the engine, and, on
+    CUDA, cold (an empty kernel cache)."""
+    runs = [("warm", None, "generate"), ("warm, through the engine", None, "engine")]
     if device.type == "cuda":
-        runs.insert(0, ("cold kernel cache", tempfile.mkdtemp(prefix="exl-bench-kernels-")))
+        runs.insert(0, ("cold kernel cache", tempfile.mkdtemp(prefix="exl-bench-kernels-"), "generate"))
     lines = []
-    for name, cache in runs:
-        t = load_time(model_dir, device.type, cache)
+    for name, cache, route in runs:
+        t = load_time(model_dir, device.type, cache, route=route)
         lines.append(f"load, {name}: from_pretrained {t['from_pretrained']:.2f} s + first token {t['first_token']:.2f} s"
                      f" = {t['from_pretrained'] + t['first_token']:.2f} s (imports before it {t['imports']:.2f} s)")
         if cache is not None:
