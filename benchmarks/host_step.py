@@ -8,8 +8,9 @@ Three views, per shape, in one process:
    (a batch built once); the whole stepped step (Batch.build each step), as decode_speed runs it.
 2. The stepped loop's host time by part, not synchronised (a part that waits for the GPU shows its wait): if
    the host's step outlasts the GPU's, or a part takes a GPU step's time, the loop is host-bound there.
-3. A profile (torch.profiler, CUPTI) of the stepped loop: GPU busy time a step and the idle gaps between GPU
-   activities, the largest by what ran before and after them.
+3. A profile (torch.profiler, CUPTI) of the stepped loop: the idle gaps between GPU activities a step, the largest
+   by what ran before and after them (and the activities' summed time, which counts twice what overlaps under
+   dependent launch).
 
     python benchmarks/host_step.py [--shapes llama-3.2-1b,llama-3-8b] [--context 256] [--json DIR]
 """
@@ -108,7 +109,7 @@ KINDS = ("replay", "replay + argmax", "+ copy to host", "+ input copies", "stepp
 
 
 def gaps(stepper: Stepper, n: int = 16) -> dict:
-    """GPU activity of n stepped steps under torch.profiler: busy time a step, idle gaps by their neighbours."""
+    """GPU activity of n stepped steps under torch.profiler: idle gaps by their neighbours, summed activity time."""
     from torch.profiler import ProfilerActivity, profile
     stepper.loop("stepped")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -171,8 +172,8 @@ def main() -> None:
         if "note" in p:
             print(f"  profile: {p['note']}")
         else:
-            print(f"  profile of {p['steps']} stepped steps, us a step: span {p['span_us_per_step']:.1f}, GPU busy "
-                  f"{p['busy_us_per_step']:.1f}, idle {p['idle_us_per_step']:.1f} "
+            print(f"  profile of {p['steps']} stepped steps, us a step: span {p['span_us_per_step']:.1f}, activities "
+                  f"summed {p['busy_us_per_step']:.1f}, idle {p['idle_us_per_step']:.1f} "
                   f"({p['activities_per_step']:.0f} activities a step); largest gaps:")
             for g in p["largest"]:
                 print(f"    {g['total_us_per_step']:7.2f} us/step  x{g['count']:<4} max {g['max_us']:7.1f}  "
