@@ -151,9 +151,9 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "ex
 def write_exl2_dir(shape: str, directory: str | Path, device="cuda", body_mix=BODY_MIX, head_mix=HEAD_MIX,
                    seed: int = 0) -> int:
     """A synthetic model of `shape` as an EXL2 directory, as ExLlamaV2 writes one (config.json with its
-    quantization_config, one output.safetensors under the HF tensor names, a tokenizer): random weights made on
-    `device` a layer at a time, the head quantized as synthetic_model's, written from the CPU. Returns the bytes of
-    the weight file. Refuses, before writing, when the disk cannot hold it."""
+    quantization_config, one output.safetensors under the HF tensor names, generation_config.json, a tokenizer):
+    random weights made on `device` a layer at a time, the head quantized as synthetic_model's, written from the
+    CPU. Returns the bytes of the weight file. Refuses, before writing, when the disk cannot hold it."""
     directory = Path(directory)
     c = config_for(shape)
     r = _Random(c, device, body_mix, head_mix, seed)
@@ -185,6 +185,9 @@ def write_exl2_dir(shape: str, directory: str | Path, device="cuda", body_mix=BO
     source = dict(c.raw, model_type="llama", torch_dtype="float16")
     write_json(exl2_config(source, bits, head_mix[-1][1], 0, 0, f"random weights, seed {seed}",
                            "synthetic (benchmarks/shapes.py)"), directory / "config.json")
+    # the converter copies the source's generation_config.json: Llama-3-8B-Instruct's
+    write_json({"bos_token_id": 128000, "eos_token_id": [128001, 128009], "do_sample": True, "temperature": 0.6,
+                "top_p": 0.9, "max_length": 4096}, directory / "generation_config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOKENIZER_DIR / name, directory / name)
     return nbytes

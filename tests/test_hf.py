@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,59 @@ def test_generation_config_priority(fp16_tiny):
         assert ours.generate(ids).shape[1] == ids.shape[1] + 4
     finally:
         ours.generation_config.max_new_tokens = None
+
+
+GENERATION_FILES = {
+    "llama3": {"bos_token_id": 7, "eos_token_id": [8, 9], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+               "max_length": 64, "transformers_version": "4.40.0"},
+    "written by save_pretrained": {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2,
+                                   "output_attentions": False, "output_hidden_states": False, "pad_token_id": 2,
+                                   "transformers_version": "5.25.0", "use_cache": True},
+    "a None": {"eos_token_id": 2, "top_k": None, "max_new_tokens": 12},
+}
+CALLS = [{}, {"max_new_tokens": 3}, {"do_sample": True, "temperature": 0.7, "top_k": 5, "min_p": 0.1},
+         {"eos_token_id": None, "max_length": 30, "repetition_penalty": 1.2, "use_cache": True},
+         {"num_return_sequences": 2, "do_sample": True, "return_dict_in_generate": True, "output_scores": True}]
+
+
+@pytest.mark.parametrize("file", sorted(GENERATION_FILES))
+def test_generate_settings_without_transformers_equal_its_own(fp16_tiny, tmp_path, file):
+    """generate() resolves its settings without transformers when the directory's generation_config.json and the
+    kwargs hold only fields it implements: the same values transformers' GenerationConfig resolves (read through a
+    model whose generation_config was made, the path that imports transformers); transformers' defaults too."""
+    from exl_backends.adapters import hf as adapter
+    ours, _ = fp16_tiny
+    for f in Path(ours.name_or_path).iterdir():
+        if f.name != "generation_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "generation_config.json").write_text(json.dumps(GENERATION_FILES[file]))
+    plain, full = (ExlForCausalLM.from_pretrained(tmp_path, device="cpu") for _ in range(2))
+    assert isinstance(full.generation_config, GenerationConfig)           # now in full.__dict__: transformers' path
+    for call in CALLS:
+        a, b = plain._resolve_config(None, dict(call)), full._resolve_config(None, dict(call))
+        assert not isinstance(a, GenerationConfig) and isinstance(b, GenerationConfig)
+        assert {k: getattr(a, k) for k in adapter.DEFAULTS} == {k: getattr(b, k) for k in adapter.DEFAULTS}, call
+    fresh = GenerationConfig()
+    fresh.update(**GenerationConfig._get_default_generation_params())
+    assert adapter.DEFAULTS == {k: getattr(fresh, k) for k in adapter.DEFAULTS}
+
+
+def test_generate_settings_that_only_transformers_can_judge_take_its_path(fp16_tiny, tmp_path):
+    """A file entry or kwarg generate() does not implement, or no generation_config.json at all, goes through
+    transformers' GenerationConfig (its errors, its derivation from config.json)."""
+    from exl_backends.adapters import hf as adapter
+    ours, _ = fp16_tiny
+    (tmp_path / "generation_config.json").write_text(json.dumps({"num_beams": 1, "eos_token_id": 2}))
+    assert adapter._plain_settings(tmp_path, {}) is None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"output_attentions": True}))
+    assert adapter._plain_settings(tmp_path, {}) is None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert adapter._plain_settings(tmp_path, {"num_beams": 2}) is None
+    assert adapter._plain_settings(tmp_path, {"max_new_tokens": 2}).max_new_tokens == 2
+    (tmp_path / "generation_config.json").unlink()
+    assert adapter._plain_settings(tmp_path, {}) is None
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ours.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=0)
 
 
 def test_unsupported_arguments_raise(fp16_tiny):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -49,8 +51,7 @@ class ExlForCausalLM:
 
     # The tokenizer, loaded when first read (text prompts, decoding text, chat templates): transformers'
     # AutoModelForCausalLM loads none either, and decoding from token ids (generate(input_ids)) never needs it.
-    # Loaded eagerly it took 0.96-1.68 s of an 8B warm load on the H100, mostly `import transformers`, which
-    # generate() still does for its GenerationConfig; the tokenizer's classes and file were 0.17 s of SmolLM2's
+    # Loaded eagerly it took 0.96-1.68 s of an 8B warm load on the H100, mostly `import transformers`; the tokenizer's classes and file were 0.17 s of SmolLM2's
     # from_pretrained on the 2-core CPU machine. from_pretrained checks that its files exist. Assignable.
     @functools.cached_property
     def tokenizer(self):
@@ -257,14 +258,20 @@ class ExlForCausalLM:
         return ids, mask
 
     def _resolve_config(self, generation_config, kwargs):
-        """kwargs > generation_config > self.generation_config > transformers' defaults, as one GenerationConfig;
+        """kwargs > generation_config > self.generation_config > transformers' defaults, as one GenerationConfig
+        (or, where nothing needs transformers to decide, the same values without it: _plain_settings);
         a kwarg that is no GenerationConfig field, or a field we do not implement, raises."""
+        if generation_config is None and "generation_config" not in self.__dict__:
+            plain = _plain_settings(Path(self.name_or_path), kwargs)
+            if plain is not None:
+                return _checked(plain)
         from transformers import GenerationConfig
         gc = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
         unknown = gc.update(**kwargs)
         if unknown:
             raise TypeError(f"generate() got unsupported argument(s) {sorted(unknown)}")
-        defaults = GenerationConfig._get_default_generation_params()
+        # transformers 5 leaves unset fields None and fills them in generate; 4.x's GenerationConfig() holds them
+        defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
         fresh = GenerationConfig().to_dict()
         for name, value in gc.to_dict().items():
             if name in SUPPORTED_FIELDS or name.startswith("_") or name in ("transformers_version", "use_cache"):
@@ -275,10 +282,7 @@ class ExlForCausalLM:
         for name, value in defaults.items():
             if getattr(gc, name, None) is None:
                 setattr(gc, name, value)
-        if gc.do_sample and gc.temperature <= 0:
-            raise ValueError(f"do_sample=True needs temperature > 0, got {gc.temperature}; use do_sample=False "
-                             f"for greedy decoding")
-        return gc
+        return _checked(gc)
 
     def _eos_ids(self, gc) -> list[int]:
         eos = gc.eos_token_id
@@ -372,6 +376,50 @@ SUPPORTED_FIELDS = frozenset({
     "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
     "min_p", "typical_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "stop_strings",
     "num_return_sequences", "return_dict_in_generate", "output_scores", "output_logits"})
+
+
+# transformers' values for the fields generate() implements when nothing sets them (GenerationConfig() with
+# GenerationConfig._get_default_generation_params() filled in; tests/test_hf.py checks them against transformers').
+DEFAULTS = {"max_new_tokens": None, "max_length": 20, "min_new_tokens": None, "min_length": 0, "do_sample": False,
+            "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "repetition_penalty": 1.0,
+            "eos_token_id": None, "pad_token_id": None, "bos_token_id": None, "stop_strings": None,
+            "num_return_sequences": 1, "return_dict_in_generate": False, "output_scores": False, "output_logits": None}
+# generation_config.json entries that change nothing generate() does (transformers writes them into most files)
+INERT = {"transformers_version": None, "_from_model_config": None, "use_cache": None, "output_attentions": False,
+         "output_hidden_states": False}
+
+
+def _plain_settings(path: Path, kwargs: dict) -> SimpleNamespace | None:
+    """generate()'s settings without importing transformers (1.4-1.5 s of an 8B warm load's first token on the
+    H100): the directory's generation_config.json under the kwargs, over DEFAULTS. None when only transformers can
+    say what they mean: a kwarg or file entry that generate() does not implement (transformers' GenerationConfig
+    then names it in its error), or no generation_config.json (transformers derives one from config.json)."""
+    file = path / "generation_config.json"
+    if not file.is_file() or not set(kwargs) <= SUPPORTED_FIELDS | {"use_cache"}:
+        return None
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None                     # transformers' loader reports a broken file
+    if not isinstance(saved, dict):
+        return None
+    for name, value in saved.items():
+        if name not in SUPPORTED_FIELDS and (name not in INERT or INERT[name] is not None and value != INERT[name]):
+            return None
+    settings = {**DEFAULTS, **{k: v for k, v in saved.items() if k in SUPPORTED_FIELDS}, **kwargs}
+    if settings["max_new_tokens"] is not None and settings["max_new_tokens"] <= 0:
+        raise ValueError(f"`max_new_tokens` must be greater than 0, but is {settings['max_new_tokens']}.")
+    for name, value in DEFAULTS.items():            # a None in the file or a kwarg means transformers' default
+        if settings[name] is None:
+            settings[name] = value
+    return SimpleNamespace(**{k: settings[k] for k in DEFAULTS})
+
+
+def _checked(gc):
+    if gc.do_sample and gc.temperature <= 0:
+        raise ValueError(f"do_sample=True needs temperature > 0, got {gc.temperature}; use do_sample=False "
+                         f"for greedy decoding")
+    return gc
 
 
 def _refuse_unsupported(**arguments) -> None:

@@ -287,9 +287,9 @@ print(json.dumps({"imports": t1 - t0, "from_pretrained": t2 - t1, "first_token":
 def load_time(model_dir: str, device: str, kernel_cache: str | None = None,
               env: dict[str, str] | None = None, route: str = "generate") -> dict[str, float]:
     """Seconds of a fresh process: imports, from_pretrained, then the first token of a 4-token prompt (on CUDA
-    this compiles any kernel the cache lacks), through transformers' API (route "generate": ExlForCausalLM.generate,
-    which imports transformers for its GenerationConfig) or the engine's ("engine": Generator.submit of token ids,
-    as the server and the adapters decode; no transformers import). kernel_cache: CuPy's cache directory for the run
+    this compiles any kernel the cache lacks), through transformers' API (route "generate": ExlForCausalLM.generate)
+    or the engine's ("engine": Generator.submit of token ids, as the server and the adapters decode); whether
+    transformers got imported is reported too. kernel_cache: CuPy's cache directory for the run
     (an empty one gives the cold figure); None: the user's. env: more variables for the process (an empty HOME,
     say)."""
     env = dict(os.environ, **(env or {}))
