@@ -270,8 +270,7 @@ class ExlForCausalLM:
         unknown = gc.update(**kwargs)
         if unknown:
             raise TypeError(f"generate() got unsupported argument(s) {sorted(unknown)}")
-        # transformers 5 leaves unset fields None and fills them in generate; 4.x's GenerationConfig() holds them
-        defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+        defaults = GenerationConfig._get_default_generation_params()
         fresh = GenerationConfig().to_dict()
         for name, value in gc.to_dict().items():
             if name in SUPPORTED_FIELDS or name.startswith("_") or name in ("transformers_version", "use_cache"):
