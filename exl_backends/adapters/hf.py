@@ -51,8 +51,9 @@ class ExlForCausalLM:
 
     # The tokenizer, loaded when first read (text prompts, decoding text, chat templates): transformers'
     # AutoModelForCausalLM loads none either, and decoding from token ids (generate(input_ids)) never needs it.
-    # Loaded eagerly it took 0.96-1.68 s of an 8B warm load on the H100, mostly `import transformers`; the tokenizer's classes and file were 0.17 s of SmolLM2's
-    # from_pretrained on the 2-core CPU machine. from_pretrained checks that its files exist. Assignable.
+    # Loaded eagerly it took 0.96-1.68 s of an 8B warm load on the H100, mostly `import transformers`; the
+    # tokenizer's classes and file were 0.17 s of SmolLM2's from_pretrained on the 2-core CPU machine.
+    # from_pretrained checks that its files exist. Assignable.
     @functools.cached_property
     def tokenizer(self):
         return load_tokenizer(Path(self.name_or_path))
