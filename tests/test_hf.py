@@ -176,14 +176,16 @@ def test_generate_settings_that_only_transformers_can_judge_take_its_path(fp16_t
     from exl_backends.adapters import hf as adapter
     ours, _ = fp16_tiny
     (tmp_path / "generation_config.json").write_text(json.dumps({"num_beams": 1, "eos_token_id": 2}))
-    assert adapter._plain_settings(tmp_path, {}) is None
+    assert adapter._plain_settings(adapter.saved_settings(tmp_path), {}) is None
     (tmp_path / "generation_config.json").write_text(json.dumps({"output_attentions": True}))
-    assert adapter._plain_settings(tmp_path, {}) is None
+    assert adapter._plain_settings(adapter.saved_settings(tmp_path), {}) is None
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
-    assert adapter._plain_settings(tmp_path, {"num_beams": 2}) is None
-    assert adapter._plain_settings(tmp_path, {"max_new_tokens": 2}).max_new_tokens == 2
+    assert adapter._plain_settings(adapter.saved_settings(tmp_path), {"num_beams": 2}) is None
+    assert adapter._plain_settings(adapter.saved_settings(tmp_path), {"max_new_tokens": 2}).max_new_tokens == 2
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        adapter._plain_settings(adapter.saved_settings(tmp_path), {"max_new_tokens": 0})
     (tmp_path / "generation_config.json").unlink()
-    assert adapter._plain_settings(tmp_path, {}) is None
+    assert adapter._plain_settings(adapter.saved_settings(tmp_path), {}) is None
     with pytest.raises(ValueError, match="max_new_tokens"):
         ours.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=0)
 

@@ -71,6 +71,10 @@ class ExlForCausalLM:
         # from config.json's fields as written unless self.config is already made (same fields, without its import)
         return load_generation_config(Path(self.name_or_path), self.__dict__.get("config", self.exl_config.raw))
 
+    @functools.cached_property
+    def _saved_settings(self) -> dict | None:
+        return saved_settings(Path(self.name_or_path))
+
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | list | None = None,
                         max_seq_len: int | None = None, cache_mode: str = "fp16",
@@ -259,11 +263,12 @@ class ExlForCausalLM:
         return ids, mask
 
     def _resolve_config(self, generation_config, kwargs):
-        """kwargs > generation_config > self.generation_config > transformers' defaults, as one GenerationConfig
-        (or, where nothing needs transformers to decide, the same values without it: _plain_settings);
-        a kwarg that is no GenerationConfig field, or a field we do not implement, raises."""
+        """kwargs > generation_config > self.generation_config > transformers' defaults, as one GenerationConfig,
+        or, where nothing needs transformers to decide, the same values without it (_plain_settings, over the
+        directory's generation_config.json as read once); a kwarg that is no GenerationConfig field, or a field we
+        do not implement, raises."""
         if generation_config is None and "generation_config" not in self.__dict__:
-            plain = _plain_settings(Path(self.name_or_path), kwargs)
+            plain = _plain_settings(self._saved_settings, kwargs)
             if plain is not None:
                 return _checked(plain)
         from transformers import GenerationConfig
@@ -389,13 +394,13 @@ INERT = {"transformers_version": None, "_from_model_config": None, "use_cache": 
          "output_hidden_states": False}
 
 
-def _plain_settings(path: Path, kwargs: dict) -> SimpleNamespace | None:
-    """generate()'s settings without importing transformers (1.4-1.5 s of an 8B warm load's first token on the
-    H100): the directory's generation_config.json under the kwargs, over DEFAULTS. None when only transformers can
-    say what they mean: a kwarg or file entry that generate() does not implement (transformers' GenerationConfig
-    then names it in its error), or no generation_config.json (transformers derives one from config.json)."""
+def saved_settings(path: Path) -> dict | None:
+    """The entries of the directory's generation_config.json that generate() implements, read without transformers
+    (its import was 1.4-1.5 s of an 8B warm load's first token on the H100); None when only transformers can say
+    what the file means: an entry generate() does not implement (transformers' GenerationConfig then names it in its
+    error), a broken file, or none (transformers derives the settings from config.json)."""
     file = path / "generation_config.json"
-    if not file.is_file() or not set(kwargs) <= SUPPORTED_FIELDS | {"use_cache"}:
+    if not file.is_file():
         return None
     try:
         saved = json.loads(file.read_text())
@@ -406,7 +411,15 @@ def _plain_settings(path: Path, kwargs: dict) -> SimpleNamespace | None:
     for name, value in saved.items():
         if name not in SUPPORTED_FIELDS and (name not in INERT or INERT[name] is not None and value != INERT[name]):
             return None
-    settings = {**DEFAULTS, **{k: v for k, v in saved.items() if k in SUPPORTED_FIELDS}, **kwargs}
+    return {k: v for k, v in saved.items() if k in SUPPORTED_FIELDS}
+
+
+def _plain_settings(saved: dict | None, kwargs: dict) -> SimpleNamespace | None:
+    """generate()'s settings without transformers: the kwargs over the file's saved settings over DEFAULTS; None
+    when the file (saved None) or a kwarg that generate() does not implement needs transformers to judge."""
+    if saved is None or not set(kwargs) <= SUPPORTED_FIELDS | {"use_cache"}:
+        return None
+    settings = {**DEFAULTS, **saved, **kwargs}
     if settings["max_new_tokens"] is not None and settings["max_new_tokens"] <= 0:
         raise ValueError(f"`max_new_tokens` must be greater than 0, but is {settings['max_new_tokens']}.")
     for name, value in DEFAULTS.items():            # a None in the file or a kwarg means transformers' default
