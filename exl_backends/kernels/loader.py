@@ -27,7 +27,7 @@ PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
 # be launched with programmatic dependent launch (driver.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
 PDL_FAMILIES = frozenset({"matmul_rows", "matmul_moe", "gemm", "wgmma", "dequant", "norm", "activation", "rope",
-                          "attention", "kv_cache", "megakernel"})
+                          "attention", "kv_cache", "megakernel", "argmax"})
 
 
 @functools.cache
