@@ -2,17 +2,14 @@
 row, in one launch."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from .loader import launch
+from .loader import counters, launch
 
 THREADS = 256
 SPAN = 2048                     # logits a block takes at most: 8 loads a thread
-COUNTERS = 256                  # initial size of the per-device row counters (grown on demand)
 
 
 def row_argmax(logits: Tensor) -> Tensor:
@@ -29,21 +26,5 @@ def row_argmax(logits: Tensor) -> Tensor:
     ws = torch.empty(rows * blocks * 2, dtype=torch.int32, device=logits.device)     # (value, index) a block
     launch("argmax", "row_argmax", grid=(blocks, rows), block=(THREADS,),
            args=(logits, np.int64(logits.stride(0)), vocab, -(-vocab // blocks), out, ws,
-                 _counters(logits.device, _size_class(rows))))
+                 counters("argmax", logits.device, rows)))
     return out
-
-
-def _size_class(n: int) -> int:
-    """n rounded up to COUNTERS times a power of two, so that few counter buffers exist per device."""
-    size = COUNTERS
-    while size < n:
-        size *= 2
-    return size
-
-
-@functools.cache
-def _counters(device: torch.device, size: int) -> Tensor:
-    """int32 [size] zeros, one a row: each launch leaves them zero (a row's last block resets its counter), so one
-    buffer serves every launch on the device; launches on one device must not run concurrently on different
-    streams."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
