@@ -79,8 +79,7 @@ class Stepper:
             if kind == "stepped":
                 b = self.batch([1])
                 if top is not None:
-                    b.input_ids.copy_(top)
-                    b.host = None
+                    b.feed(top)
                 marks.append(time.perf_counter())
                 logits = self.runner.forward(b)
             elif kind == "+ input copies":

@@ -140,8 +140,7 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
         ids = top.tolist() if top is not None and not on_device else [1] * batch
         b = Batch.build([SeqChunk([t], context + i, p) for t, p in zip(ids, pages)], page_size, model.device)
         if top is not None and on_device:
-            b.input_ids.copy_(top)
-            b.host = None                       # its host bytes hold placeholders (the runner copies the ids)
+            b.feed(top)
         logits = runner.forward(b)
         top = greedy(logits)
         return logits, top, copy_to_host(top)
