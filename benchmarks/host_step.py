@@ -4,8 +4,9 @@ graph-replay-only figure (H100, c6aae6d: 8B 382.8 against 406.6 tok/s, 1B 1,216 
 
 Three views, per shape, in one process:
 1. Loops that add the stepped loop's pieces one at a time (tok/s, each loop twice, in order then reversed):
-   replay alone; + argmax; + the token's copy to the host, read one step behind; + the runner's input copies
-   (a batch built once); the whole stepped step (Batch.build each step), as decode_speed runs it.
+   replay alone; + torch's argmax, or instead + the engine's (sampling.greedy); + the token's copy to the host,
+   read one step behind; + the runner's input copies (a batch built once); the whole stepped step (Batch.build
+   each step), as decode_speed runs it.
 2. The stepped loop's host time by part, not synchronised (a part that waits for the GPU shows its wait): if
    the host's step outlasts the GPU's, or a part takes a GPU step's time, the loop is host-bound there.
 3. A profile (torch.profiler, CUPTI) of the stepped loop: the idle gaps between GPU activities a step, the largest
@@ -31,6 +32,7 @@ from shapes import synthetic_model  # noqa: E402
 
 from exl_backends.commands.bench import _cache, fill_cache, run_info  # noqa: E402
 from exl_backends.engine.generator import copy_to_host  # noqa: E402
+from exl_backends.engine.sampling import greedy  # noqa: E402
 from exl_backends.model.batch import Batch, SeqChunk  # noqa: E402
 from exl_backends.model.runner import Runner  # noqa: E402
 
@@ -69,16 +71,15 @@ class Stepper:
             if kind == "replay":
                 g.replay()
                 continue
-            if kind == "replay + argmax":
+            if kind in ("replay + argmax", "replay + torch.argmax"):
                 g.replay()
-                g.logits.argmax(-1)
+                greedy(g.logits) if kind == "replay + argmax" else g.logits.argmax(-1)
                 continue
             marks = [time.perf_counter()]
             if kind == "stepped":
                 b = self.batch([1])
                 if top is not None:
-                    b.input_ids.copy_(top)
-                    b.host = None
+                    b.feed(top)
                 marks.append(time.perf_counter())
                 logits = self.runner.forward(b)
             elif kind == "+ input copies":
@@ -89,7 +90,7 @@ class Stepper:
                 g.replay()
                 logits = g.logits
             marks.append(time.perf_counter())
-            top = logits.argmax(-1)
+            top = greedy(logits)
             copy = copy_to_host(top)
             marks.append(time.perf_counter())
             if pending is not None:
@@ -105,7 +106,7 @@ class Stepper:
         return self.steps / (time.perf_counter() - t0)
 
 
-KINDS = ("replay", "replay + argmax", "+ copy to host", "+ input copies", "stepped")
+KINDS = ("replay", "replay + torch.argmax", "replay + argmax", "+ copy to host", "+ input copies", "stepped")
 
 
 def gaps(stepper: Stepper, n: int = 16) -> dict:

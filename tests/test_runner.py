@@ -81,6 +81,25 @@ def test_a_smaller_step_after_a_full_one_pads_the_graph_anew(model, host_bytes):
     assert list(runner.graphs.by_shape) == [(4, 1)]
 
 
+def test_a_step_fed_its_ids_on_the_device_takes_them_not_the_placeholders(model):
+    """A decode step whose ids are fed on the device after Batch.build (the generator's look-ahead: the tokens of
+    the step before, not yet on the host) replays with those ids, the rest from its host bytes, and equals eager
+    decoding of the same ids; tensor parallelism, which sends the host bytes, refuses it."""
+    from exl_backends.parallel.ranks import _pack
+    lengths = [5, 21, 40]
+    cache, pages = prefilled(model, lengths)
+    runner = Runner(model, cache, max_batch=4, max_pages=4, eager=False)
+    real = verify_batch(lengths, pages, [1] * 3)
+    fed = Batch.build([SeqChunk([0], n, p) for n, p in zip(lengths, pages)], PAGE, "cpu", all_logits=True)
+    fed.feed(real.input_ids)
+    assert fed.host is not None and not torch.equal(fed.input_ids, torch.zeros(3, dtype=torch.long))
+    eager = model.forward(real, cache)
+    torch.testing.assert_close(runner.forward(fed), eager, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(runner.forward(dataclasses.replace(fed, fed=False)), eager, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="host bytes"):
+        _pack(fed, [])
+
+
 def test_other_steps_take_token_pieces(model):
     lengths = [5, 21, 40]
     cache, pages = prefilled(model, lengths)

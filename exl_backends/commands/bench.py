@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..engine.generator import copy_to_host
+from ..engine.sampling import greedy
 from ..kernels import megakernel
 from ..model import step_table
 from ..model.batch import Batch, SeqChunk
@@ -139,10 +140,9 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
         ids = top.tolist() if top is not None and not on_device else [1] * batch
         b = Batch.build([SeqChunk([t], context + i, p) for t, p in zip(ids, pages)], page_size, model.device)
         if top is not None and on_device:
-            b.input_ids.copy_(top)
-            b.host = None                       # its host bytes hold placeholders (the runner copies the ids)
+            b.feed(top)
         logits = runner.forward(b)
-        top = logits.argmax(-1)
+        top = greedy(logits)
         return logits, top, copy_to_host(top)
 
     def read(copy: tuple) -> list[int]:

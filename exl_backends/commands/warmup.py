@@ -21,7 +21,7 @@ from ..kernels import loader
 # quantized one adds (EXL2/GPTQ matmuls: one-row to 16-row, the tiled GEMMs, dequantization for long prompts). A
 # dense fp16 model's linears are torch's. lane_layout (the EXL2 repack) comes first: a load waits for it.
 # (Mixture-of-experts' matmul_moe compiles on first use.)
-DECODER_FAMILIES = ("norm", "rope", "kv_cache", "attention", "activation")
+DECODER_FAMILIES = ("norm", "rope", "kv_cache", "attention", "activation", "argmax")
 QUANTIZED_FAMILIES = ("lane_layout", "matmul_rows", "gemm", "wgmma", "dequant")
 
 

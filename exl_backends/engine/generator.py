@@ -342,8 +342,7 @@ class Generator:
             self.scheduler.grow(job, len(job.tokens) + 1)
             chunks.append(SeqChunk([0], len(job.tokens), job.pages))
         batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=list(range(len(plan))))
-        batch.input_ids.copy_(step.top if len(keep) == len(step.plan) else step.top[keep])
-        batch.host = None       # its host bytes hold placeholders, not these ids (a graph must not read them)
+        batch.feed(step.top if len(keep) == len(step.plan) else step.top[keep])
         return Launched(plan, chunks, [range(i, i + 1) for i in range(len(plan))], self._forward(batch), 1)
 
     def _chunk(self, job: Job, width: int, drafts: dict) -> SeqChunk:

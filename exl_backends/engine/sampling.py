@@ -396,7 +396,13 @@ def mirostat_v2(probs: Tensor, mu: float) -> Tensor:
 
 
 def greedy(logits: Tensor) -> Tensor:
-    """[B, V] -> int64 [B]: argmax per row, for batches of plain-greedy jobs."""
+    """[B, V] -> int64 [B]: argmax per row, for batches of plain-greedy jobs. On CUDA f32 logits by a kernel of
+    our own (kernels/argmax.cu: torch's argmax reduces a row in one block, ~30 us for 128,256 logits); the same
+    indices as torch.argmax."""
+    if logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 \
+            and logits.shape[1] > 0:
+        from ..kernels.argmax import row_argmax
+        return row_argmax(logits)
     return logits.argmax(-1)
 
 

@@ -24,7 +24,7 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from ..errors import ConfigError
 from ..model.batch import upload
-from . import kv_cache
+from . import kv_cache, loader
 from .loader import aligned, compute_capability, launch, module
 
 LOG2E = 1.4426950408889634      # the kernel's softmax works in base 2
@@ -34,7 +34,6 @@ PAGE_ALIGN = 32                 # a 32-key tile of the kernel must not cross a p
 HEAD_DIMS = {"fp16": (16, 32, 64, 96, 128, 256), "q8": (64, 128, 256), "q6": (64, 128, 256), "q4": (64, 128, 256)}
 REGISTERS_PER_SM = 65536
 MIN_SPLIT_KEYS = 256            # attention.cu's MIN_SPLIT: no more splits than a full block table fills
-COUNTERS = 4096                 # initial size of the per-device split counters (grown on demand)
 # sequences with at most this many new tokens run as rows of the split-K decode kernel, longer ones through flash
 # attention, which gives each 128 queries and head one block: after a long prefix it leaves most of the GPU idle
 # (H200, 8B heads, after 1792 keys: 16 new tokens 28 us as rows vs 67-76 us flash, 32: 42 vs 67, 64: 80 vs 68)
@@ -108,7 +107,7 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
     if n_splits > 1:   # rows whose keys need several splits merge them in the kernel's last block
         part_acc = torch.empty(rows, n_heads, n_splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(rows, n_heads, n_splits, 2, dtype=torch.float32, device=q.device)   # (max, sum)
-        counters = _counters(q.device, _size_class(rows * n_kv * head_blocks))
+        counters = loader.counters("attention", q.device, rows * n_kv * head_blocks)
     c = cache.layers[layer]
     if rows:
         launch("attention", kernel, grid=(n_splits, n_kv * head_blocks, rows),
@@ -134,22 +133,6 @@ def _resident_blocks(kernel: str, device: torch.device) -> int:
     regs = module("attention", compute_capability(device)).get_function(kernel).num_regs
     per_sm = REGISTERS_PER_SM // (-(-regs // 8) * 8 * THREADS)     # registers are allocated in steps of 8
     return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _size_class(n: int) -> int:
-    """n rounded up to COUNTERS times a power of two, so that few counter buffers exist per device."""
-    size = COUNTERS
-    while size < n:
-        size *= 2
-    return size
-
-
-@functools.cache
-def _counters(device: torch.device, size: int) -> Tensor:
-    """int32 [size] zeros for the kernel's per-(row, head block) split counters. Each launch leaves them zero
-    (the last block of a row resets its counter), so one buffer serves every launch on the device; launches on
-    one device must not run concurrently on different streams."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def _mixed(q: Tensor, cache, layer: int, batch, scale: float, window: int | None, softcap: float | None) -> Tensor:

@@ -27,7 +27,7 @@ PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
 # be launched with programmatic dependent launch (driver.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).
 PDL_FAMILIES = frozenset({"matmul_rows", "matmul_moe", "gemm", "wgmma", "dequant", "norm", "activation", "rope",
-                          "attention", "kv_cache", "megakernel"})
+                          "attention", "kv_cache", "megakernel", "argmax"})
 
 
 @functools.cache
@@ -159,3 +159,19 @@ def _function(family: str, kernel: str, device: int):
     is the current one whenever this is first called for it."""
     fn = module(family, _capability(device)).get_function(kernel)
     return fn, fn.kernel.ptr
+
+
+def counters(family: str, device: torch.device, n: int) -> Tensor:
+    """int32 zeros, at least n of them, for a family's arrival counters (the last block to arrive resets its
+    counter, so each launch leaves them zero and one buffer serves every launch of the family on the device;
+    launches on one device must not run concurrently on different streams). Sizes are 4,096 times a power of two,
+    so that few buffers exist."""
+    size = 4096
+    while size < n:
+        size *= 2
+    return _zeros(family, device, size)
+
+
+@functools.cache
+def _zeros(family: str, device: torch.device, size: int) -> Tensor:
+    return torch.zeros(size, dtype=torch.int32, device=device)

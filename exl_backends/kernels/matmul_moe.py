@@ -2,22 +2,14 @@
 for kernels/moe.py. Layouts and plans are quant_matmul.py's."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 from torch import Tensor
 
+from . import loader
 from .loader import launch
 from .quant_matmul import (MAX_PARTS, MOE_KERNELS, MOE_RESIDENT_BLOCKS, ROWS_PER_PASS, THREADS, LaneLayout,
                            choose_splits, make_plan)
-
-
-@functools.cache
-def _moe_counters(device: torch.device, size: int) -> Tensor:
-    """int32 [size] zeros for the MoE kernels' split counters: each launch leaves them zero, so one buffer per size
-    class serves every layer on the device (launches on one device must not run concurrently on two streams)."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 class ExpertMatmul:
@@ -68,18 +60,10 @@ class ExpertMatmul:
         ys = [torch.empty(s, n, dtype=torch.float16, device=x.device) for n in self.n]
         ws_part = self.max_splits[rows] * s * self.np_ if self.max_splits[rows] > 1 else 0
         ws = torch.empty(len(self.n) * ws_part, dtype=torch.float32, device=x.device) if ws_part else None
-        counters = _moe_counters(x.device, _size_class(self.n_experts * passes * MAX_PARTS * self.strips))
+        counters = loader.counters("matmul_moe", x.device, self.n_experts * passes * MAX_PARTS * self.strips)
         if s:
             launch("matmul_moe", MOE_KERNELS[self.fmt, 1 if rows == 1 else 16],
                    grid=(self.blocks[rows], self.n_experts, passes), block=(THREADS,),
                    args=(self.tables[rows], offsets, counts, s, x.contiguous(), ys[0], ys[1] if len(ys) > 1 else None,
                          ws, np.int64(ws_part), counters, self.strips), shared_mem=self.smem[rows])
         return ys
-
-
-def _size_class(n: int) -> int:
-    """n rounded up to a power of two (at least 4096), so that few counter buffers exist per device."""
-    size = 4096
-    while size < n:
-        size *= 2
-    return size

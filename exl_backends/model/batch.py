@@ -36,6 +36,8 @@ class Batch:
     # decode graph copies into its inputs at once, without reading anything back from the GPU; None for batches
     # made otherwise, or changed on the device after build
     host: Tensor | None = field(default=None, repr=False, compare=False)
+    # input_ids set on the device after build (feed): the host bytes hold placeholders for them
+    fed: bool = field(default=False, repr=False, compare=False)
     # index tensors that eager attention derives from the host lengths (a prefill's cache slots, the short rows of
     # a mixed step): every layer needs the same ones, so they are made once per batch (and per device: a copy of
     # the batch on another device starts empty)
@@ -84,6 +86,12 @@ class Batch:
             [b + 1, b, b * width, n_row_seq])
         return cls(input_ids, positions, slot_ids, cu_seqlens, seq_lens, block_tables.view(b, width),
                    None if n_rows is None else wanted, page_size, host_lengths, seqs if n_row_seq else None, host)
+
+    def feed(self, ids: Tensor) -> None:
+        """The input ids from the device (a decode step fed the tokens of the step before, not yet read back): a
+        graph then takes everything else from the host bytes in its one copy, and these ids by one more."""
+        self.input_ids.copy_(ids)
+        self.fed = True
 
     def lengths_on_host(self) -> tuple[list[int], list[int]]:
         """(cu_seqlens, seq_lens) as lists: build() keeps them; otherwise read from the device once (a sync)."""

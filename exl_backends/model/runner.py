@@ -113,6 +113,8 @@ class DecodeGraph:
         if batch.host is not None:
             self._write_image(batch)
             self.packed.copy_(torch.from_numpy(self.image), non_blocking=True)   # pageable: staged before return
+            if batch.fed:
+                self.batch.input_ids[:rows].copy_(batch.input_ids)
         else:
             self._copy_inputs(batch)
         s = self.batch

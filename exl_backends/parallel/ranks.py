@@ -77,8 +77,9 @@ def _payload_size(h: list[int]) -> int:
 def _pack(batch: Batch, freed: list[int]) -> Tensor:
     """The freed cache ids (int64), then the batch's bytes as Batch.build packed them on the host: nothing is
     read back from the GPU, so announcing a step does not wait for the one before."""
-    if batch.host is None:
-        raise ValueError("a batch announced to the other ranks must come from Batch.build (its host bytes)")
+    if batch.host is None or batch.fed:
+        raise ValueError("a batch announced to the other ranks must come from Batch.build with its ids in its host "
+                         "bytes (not fed on the device)")
     return torch.cat([torch.tensor(freed, dtype=torch.int64).view(torch.uint8), batch.host])
 
 
