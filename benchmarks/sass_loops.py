@@ -141,14 +141,18 @@ def parse(lines: list[str]) -> tuple[dict[str, int], list[str]]:
 
 
 def loops(lines: list[str]) -> list[Loop]:
-    """Every backward branch of a kernel's listing with the instructions from its target to it, in listing order."""
+    """Every backward branch of a kernel's listing with the instructions from its target to it, in listing order.
+    A span with an EXIT in it is not a loop: the compiler puts the retry loops of waits (mbarrier try_wait) after
+    the kernel's end, each branching back into the body."""
     labels, instructions = parse(lines)
     found = []
     for i, ins in enumerate(instructions):
         m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", ins)
         if m and labels.get(m.group(1), i + 1) <= i:
             start = labels[m.group(1)]
-            found.append(Loop(start, i, collections.Counter(opcode(x) for x in instructions[start:i + 1])))
+            opcodes = collections.Counter(opcode(x) for x in instructions[start:i + 1])
+            if not opcodes["EXIT"]:
+                found.append(Loop(start, i, opcodes))
     return found
 
 

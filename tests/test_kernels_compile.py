@@ -109,16 +109,21 @@ LISTING = """
 .L_x_3:
         /*0080*/               @P2 BRA `(.L_x_1) ;
         /*0090*/                   EXIT ;
+.L_x_4:
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R19+URZ], R18 ;
+        /*00b0*/              @!P0 BRA `(.L_x_4) ;
+        /*00c0*/                   BRA `(.L_x_3) ;
 //--------------------- .text.other --------------------------
 """
 
 
 def test_sass_loops_reads_a_listing():
-    """Backward branches make loops (the inner one inside the outer), forward ones do not; predicates and modifiers
-    are not part of an opcode."""
+    """Backward branches make loops (the inner one inside the outer), forward ones do not, nor does a wait's retry
+    loop placed after the kernel's end branching back into it; predicates and modifiers are not part of an opcode."""
     funcs = sass_loops.functions(LISTING)
     assert list(funcs) == ["k"]
-    inner, outer = sass_loops.loops(funcs["k"])
+    inner, outer, retry = sass_loops.loops(funcs["k"])
+    assert (retry.start, retry.end) == (10, 11)
     assert (inner.start, inner.end, inner.size) == (2, 5, 4) and inner.opcodes["HMMA"] == 2
     assert (outer.start, outer.end) == (1, 8) and outer.opcodes == {"LDG": 1, "HMMA": 2, "ISETP": 1, "BRA": 3,
                                                                      "IADD3": 1}

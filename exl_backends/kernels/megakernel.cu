@@ -227,21 +227,33 @@ struct Ring {
     unsigned long long* empty;   // the 8 consumer warps' releases
     int slots;
 
+    // Where a warp is in the ring: the slot of its next use and that use's phase parity (stepped, not divided
+    // out of a use count: `it % slots` and `it / slots` by the run-time slot count cost ~30 instructions a batch,
+    // on the path to the slot's wait, in SASS).
+    struct Pos {
+        int slot = 0;
+        unsigned phase = 0;
+        __device__ void next(int slots)
+        {
+            if (++slot == slots) slot = 0, phase ^= 1;
+        }
+    };
+
     __device__ unsigned char* piece(int slot, int warp) const
     {
         return data + (size_t)slot * RING_SLOT + warp * RING_PIECE;
     }
-    // A consumer warp: slot `it` (its it-th use) is full, then (release) it is free again.
-    __device__ int wait_full(int it) const
+    // A consumer warp: slot pos is full, then (release) it is free again.
+    __device__ int wait_full(const Pos& pos) const
     {
-        bar_wait(smem_address(full + it % slots), (it / slots) & 1);
-        return it % slots;
+        bar_wait(smem_address(full + pos.slot), pos.phase);
+        return pos.slot;
     }
-    __device__ void release(int it, int lane) const
+    __device__ void release(const Pos& pos, int lane) const
     {
         __syncwarp();
         if (lane == 0)
-            asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_address(empty + it % slots))
+            asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_address(empty + pos.slot))
                          : "memory");
     }
 };
@@ -270,7 +282,7 @@ struct RingBlock {
 
 // The producer's copies of width run I of a block: a slot a batch, lane w copying warp w's piece.
 template <int I, class Fmt>
-__device__ __forceinline__ void fill_width(const RingBlock& rb, int strips_per_block, const Ring& ring, int& it,
+__device__ __forceinline__ void fill_width(const RingBlock& rb, int strips_per_block, const Ring& ring, Ring::Pos& pos,
                                            int lane)
 {
     using namespace qmm;
@@ -282,9 +294,9 @@ __device__ __forceinline__ void fill_width(const RingBlock& rb, int strips_per_b
         for (int w = 0; w < WARPS; ++w) copies += rb.has(w, strips_per_block);
         const bool mine = lane < WARPS && rb.has(lane, strips_per_block);
         const unsigned* src = pt.qw + (size_t)rb.strip(lane, strips_per_block) * pt.words_per_strip + pt.run_word[I];
-        for (int c = lo; c < hi; c += U, ++it) {
-            const int slot = it % ring.slots, bytes = min(U, hi - c) * 128 * B;
-            bar_wait(smem_address(ring.empty + slot), ((it / ring.slots) & 1) ^ 1);
+        for (int c = lo; c < hi; c += U, pos.next(ring.slots)) {
+            const int slot = pos.slot, bytes = min(U, hi - c) * 128 * B;
+            bar_wait(smem_address(ring.empty + slot), pos.phase ^ 1);
             const unsigned full = smem_address(ring.full + slot);
             if (lane == 0)
                 asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(copies * bytes)
@@ -304,29 +316,34 @@ __device__ __forceinline__ void fill_width(const RingBlock& rb, int strips_per_b
 // and released).
 template <int I, class Fmt, class Sink>
 __device__ __forceinline__ void drain_width(const RingBlock& rb, const typename Fmt::Cursor& cur, const int2* meta_s,
-                                            bool mine, const Ring& ring, int& it, int warp, int lane, Sink& sink)
+                                            bool mine, const Ring& ring, Ring::Pos& pos, int warp, int lane,
+                                            Sink& sink)
 {
     using namespace qmm;
     constexpr int B = width_of(I), U = batch<B>();
     if constexpr (Fmt::template has_width<B>()) {
         const Part& pt = *rb.pt;
         const int lo = max(rb.c0, pt.run_start[I]), hi = min(rb.c1, pt.run_start[I + 1]);
-        for (int c = lo; c < hi; c += U, ++it) {
-            const unsigned char* piece = ring.piece(ring.wait_full(it), warp);
+        for (int c = lo; c < hi; c += U, pos.next(ring.slots)) {
             if (!mine) {
-                ring.release(it, lane);
+                ring.wait_full(pos);
+                ring.release(pos, lane);
             } else if (c + U <= hi) {
                 Batch<U, B, Fmt, Sink> now;
-                now.fetch_shared(cur, meta_s + (c - rb.c0), piece, lane, c, sink);
-                ring.release(it, lane);
+                now.fetch_records(cur, meta_s + (c - rb.c0));
+                const unsigned char* piece = ring.piece(ring.wait_full(pos), warp);
+                now.fetch_words_shared(piece, lane, c, sink);
+                ring.release(pos, lane);
                 now.consume(c, sink);
             } else {                             // the run's last chunks: fewer than a batch
+                const unsigned char* piece = ring.piece(ring.wait_full(pos), warp);
                 for (int u = 0; u < hi - c; ++u) {
                     Batch<1, B, Fmt, Sink> one;
-                    one.fetch_shared(cur, meta_s + (c + u - rb.c0), piece + u * 128 * B, lane, c + u, sink);
+                    one.fetch_records(cur, meta_s + (c + u - rb.c0));
+                    one.fetch_words_shared(piece + u * 128 * B, lane, c + u, sink);
                     one.consume(c + u, sink);
                 }
-                ring.release(it, lane);
+                ring.release(pos, lane);
             }
         }
     }
@@ -334,15 +351,15 @@ __device__ __forceinline__ void drain_width(const RingBlock& rb, const typename 
 
 // Every slot of a matmul block, in the walk's order (width run by width run).
 template <class Fmt>
-__device__ __forceinline__ void fill_block(const RingBlock& rb, int strips_per_block, const Ring& ring, int& it,
+__device__ __forceinline__ void fill_block(const RingBlock& rb, int strips_per_block, const Ring& ring, Ring::Pos& pos,
                                            int lane)
 {
-    fill_width<0, Fmt>(rb, strips_per_block, ring, it, lane);
-    fill_width<1, Fmt>(rb, strips_per_block, ring, it, lane);
-    fill_width<2, Fmt>(rb, strips_per_block, ring, it, lane);
-    fill_width<3, Fmt>(rb, strips_per_block, ring, it, lane);
-    fill_width<4, Fmt>(rb, strips_per_block, ring, it, lane);
-    fill_width<5, Fmt>(rb, strips_per_block, ring, it, lane);
+    fill_width<0, Fmt>(rb, strips_per_block, ring, pos, lane);
+    fill_width<1, Fmt>(rb, strips_per_block, ring, pos, lane);
+    fill_width<2, Fmt>(rb, strips_per_block, ring, pos, lane);
+    fill_width<3, Fmt>(rb, strips_per_block, ring, pos, lane);
+    fill_width<4, Fmt>(rb, strips_per_block, ring, pos, lane);
+    fill_width<5, Fmt>(rb, strips_per_block, ring, pos, lane);
 }
 
 // FOLDED (op.x non-null): the stage that launch-per-op runs before the matmul, for this block's rows only: x's stored
@@ -378,18 +395,18 @@ __device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::P
 // strip's reduction by its last warp.
 template <class Fmt, class Sink>
 __device__ __forceinline__ void ring_walk(const qmm::Params& p, const Op& op, const RingBlock& rb, int b, bool mine,
-                                          int strip, const int2* meta_s, const Ring& ring, int& it,
+                                          int strip, const int2* meta_s, const Ring& ring, Ring::Pos& pos,
                                           const qmm::Stamps& stamps, Sink& sink)
 {
     using namespace qmm;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const typename Fmt::Cursor cur = Fmt::cursor(*rb.pt, mine ? strip : 0, lane / 4);
-    drain_width<0, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<1, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<2, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<3, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<4, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
-    drain_width<5, Fmt>(rb, cur, meta_s, mine, ring, it, warp, lane, sink);
+    drain_width<0, Fmt>(rb, cur, meta_s, mine, ring, pos, warp, lane, sink);
+    drain_width<1, Fmt>(rb, cur, meta_s, mine, ring, pos, warp, lane, sink);
+    drain_width<2, Fmt>(rb, cur, meta_s, mine, ring, pos, warp, lane, sink);
+    drain_width<3, Fmt>(rb, cur, meta_s, mine, ring, pos, warp, lane, sink);
+    drain_width<4, Fmt>(rb, cur, meta_s, mine, ring, pos, warp, lane, sink);
+    drain_width<5, Fmt>(rb, cur, meta_s, mine, ring, pos, warp, lane, sink);
     if (!mine) return;
     sink.flush();
     stamps.at(2);
@@ -406,7 +423,7 @@ __device__ __forceinline__ void ring_walk(const qmm::Params& p, const Op& op, co
 // the weights from the ring.
 template <class Fmt>
 __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, int b, const CounterWait& wait,
-                                            const Ring& ring, int& it, unsigned char* smem, int xs_smem)
+                                            const Ring& ring, Ring::Pos& pos, unsigned char* smem, int xs_smem)
 {
     using namespace qmm;
     const RingBlock rb(p, b);
@@ -432,7 +449,7 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
         sink.xg = xg;
         sink.tile_step = 8 * (size_t)p.K;
         sink.cg = cg;
-        ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, it, stamps, sink);
+        ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, pos, stamps, sink);
         return;
     }
     if (op.x) {
@@ -449,7 +466,7 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     sink.corr = corr_s;
     sink.c0 = rb.c0;
     sink.M = 1;
-    ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, it, stamps, sink);
+    ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, pos, stamps, sink);
 }
 
 template <class Fmt, int N>
@@ -470,13 +487,13 @@ __device__ void decode_ring(const Segment<N>& s)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncthreads();                                   // the only barrier with the producer: it never waits again
-    int it = 0;                                        // slots used so far
+    Ring::Pos pos;                                     // the next slot this warp uses
     if (warp == qmm::WARPS) {
         for (int k = 0; k < s.n_ops; ++k) {
             const Op& op = s.op[k];
             if (op.kind != MATMUL) continue;
             for (int v = first_block(op, c, G); v < op.blocks; v += G)
-                fill_block<Fmt>(RingBlock(s.params[op.params], v), op.strips_per_block, ring, it, lane);
+                fill_block<Fmt>(RingBlock(s.params[op.params], v), op.strips_per_block, ring, pos, lane);
         }
         return;
     }
@@ -495,7 +512,7 @@ __device__ void decode_ring(const Segment<N>& s)
                 qmm::stage_xs(p, op.x, op.up, op.residual, op.norm_w, op.new_residual, op.eps, op.xs, v % op.grid_x,
                               v / op.grid_x, 0, 1, wait);
             else
-                ring_matmul<Fmt>(p, op, v, wait, ring, it, smem, s.xs_smem);
+                ring_matmul<Fmt>(p, op, v, wait, ring, pos, smem, s.xs_smem);
             consumers_sync();                          // shared memory is the next block's
         }
         if (threadIdx.x == 0) release_add(s.done + k, ran);

@@ -295,18 +295,23 @@ struct Batch {
         for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
     }
 
-    // The same chunks from a copy in shared memory, back to back from `chunk` on (a megakernel's weight ring).
-    __device__ __forceinline__ void fetch_shared(const typename Fmt::Cursor& cur, const int2* meta,
-                                                 const unsigned char* chunk, int lane, int c, const Sink& sink)
+    // The same chunks from a copy in shared memory (a megakernel's weight ring), in two steps: first what does not
+    // wait for the copy (their chunk_meta entries and group records: L2 round trips that then overlap the wait for
+    // the ring's slot), then, once the slot is full, the words from `chunk` on (back to back) and the sink's extras.
+    __device__ __forceinline__ void fetch_records(const typename Fmt::Cursor& cur, const int2* meta)
     {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            Stream::load<B, true>(chunk + u * 128 * B, lane, w[u]);
             m[u] = meta[u];
+            raw[u] = Fmt::load(cur, m[u]);
         }
-        sink.template extras<B, U>(c, ex);
+    }
+
+    __device__ __forceinline__ void fetch_words_shared(const unsigned char* chunk, int lane, int c, const Sink& sink)
+    {
 #pragma unroll
-        for (int u = 0; u < U; ++u) raw[u] = Fmt::load(cur, m[u]);
+        for (int u = 0; u < U; ++u) Stream::load<B, true>(chunk + u * 128 * B, lane, w[u]);
+        sink.template extras<B, U>(c, ex);
     }
 
     __device__ __forceinline__ void consume(int c, Sink& sink) const
