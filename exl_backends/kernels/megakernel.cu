@@ -330,17 +330,17 @@ __device__ __forceinline__ void drain_width(const RingBlock& rb, const typename 
                 ring.release(pos, lane);
             } else if (c + U <= hi) {
                 Batch<U, B, Fmt, Sink> now;
-                now.fetch_records(cur, meta_s + (c - rb.c0));
+                now.fetch_unslotted(cur, meta_s + (c - rb.c0), c, sink);
                 const unsigned char* piece = ring.piece(ring.wait_full(pos), warp);
-                now.fetch_words_shared(piece, lane, c, sink);
+                now.fetch_words_shared(piece, lane);
                 ring.release(pos, lane);
                 now.consume(c, sink);
             } else {                             // the run's last chunks: fewer than a batch
                 const unsigned char* piece = ring.piece(ring.wait_full(pos), warp);
                 for (int u = 0; u < hi - c; ++u) {
                     Batch<1, B, Fmt, Sink> one;
-                    one.fetch_records(cur, meta_s + (c + u - rb.c0));
-                    one.fetch_words_shared(piece + u * 128 * B, lane, c + u, sink);
+                    one.fetch_unslotted(cur, meta_s + (c + u - rb.c0), c + u, sink);
+                    one.fetch_words_shared(piece + u * 128 * B, lane);
                     one.consume(c + u, sink);
                 }
                 ring.release(pos, lane);
@@ -385,8 +385,8 @@ __device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::P
 }
 
 // MK_RING_GX (a probe, 0 by default: bench_decode --defines ,MK_RING_GX=1): unfolded blocks read x and its
-// corrections from stage_xs's output in global memory with each batch, one batch ahead (launch-per-op's GX sink),
-// instead of copying them into shared memory after the wait.
+// corrections from stage_xs's output in global memory with each batch, before the batch's slot wait (launch-per-op's
+// GX sink), instead of copying them into shared memory after the op's wait.
 #ifndef MK_RING_GX
 #define MK_RING_GX 0
 #endif

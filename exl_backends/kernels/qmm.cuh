@@ -296,22 +296,23 @@ struct Batch {
     }
 
     // The same chunks from a copy in shared memory (a megakernel's weight ring), in two steps: first what does not
-    // wait for the copy (their chunk_meta entries and group records: L2 round trips that then overlap the wait for
-    // the ring's slot), then, once the slot is full, the words from `chunk` on (back to back) and the sink's extras.
-    __device__ __forceinline__ void fetch_records(const typename Fmt::Cursor& cur, const int2* meta)
+    // wait for the copy (their chunk_meta entries, group records and the sink's extras: L2 round trips that then
+    // overlap the wait for the ring's slot), then, once the slot is full, the words from `chunk` on (back to back).
+    __device__ __forceinline__ void fetch_unslotted(const typename Fmt::Cursor& cur, const int2* meta, int c,
+                                                    const Sink& sink)
     {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             m[u] = meta[u];
             raw[u] = Fmt::load(cur, m[u]);
         }
+        sink.template extras<B, U>(c, ex);
     }
 
-    __device__ __forceinline__ void fetch_words_shared(const unsigned char* chunk, int lane, int c, const Sink& sink)
+    __device__ __forceinline__ void fetch_words_shared(const unsigned char* chunk, int lane)
     {
 #pragma unroll
         for (int u = 0; u < U; ++u) Stream::load<B, true>(chunk + u * 128 * B, lane, w[u]);
-        sink.template extras<B, U>(c, ex);
     }
 
     __device__ __forceinline__ void consume(int c, Sink& sink) const
