@@ -13,6 +13,10 @@ import pytest
 
 from exl_backends.kernels.loader import KERNEL_DIR
 
+sys.path.insert(0, str(KERNEL_DIR.parents[1] / "benchmarks"))
+import sass_loops  # noqa: E402
+from sass_loops import cuda_include_dir  # noqa: E402
+
 SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu") if not p.name.startswith("_"))
 ARCHS = ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"]   # 90a: what the loader compiles on 9.0
 NVCC = shutil.which("nvcc")
@@ -26,22 +30,6 @@ def test_nvcc_compiles(source, arch):
                              str(KERNEL_DIR / source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
-
-
-def cuda_include_dir() -> Path | None:
-    """The CUDA headers NVRTC needs (cuda_fp16.h): CuPy passes its CUDA path's include dir at run time."""
-    candidates = [os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
-    try:
-        import cupy
-        candidates.insert(0, cupy.cuda.get_cuda_path() or "")
-    except ImportError:
-        pass
-    if NVCC:
-        candidates.append(str(Path(NVCC).resolve().parent.parent))
-    for c in candidates:
-        if c and (Path(c) / "include" / "cuda_fp16.h").is_file():
-            return Path(c) / "include"
-    return None
 
 
 def nvrtc_or_skip():
@@ -86,7 +74,6 @@ def test_persistent_benchmarks_compile():
     """bench_pipeline's and bench_step_table's inline kernels, with every consumer, compile with NVRTC for sm_90a
     (their options on the device): they run only there, so a broken one would cost a GPU call to find."""
     nvrtc, include = nvrtc_or_skip()
-    sys.path.insert(0, str(KERNEL_DIR.parents[1] / "benchmarks"))
     import bench_pipeline
     import bench_step_table
     options = ["-std=c++17", f"-I{KERNEL_DIR}", f"-I{include}", "--gpu-architecture=sm_90a"]
@@ -105,3 +92,49 @@ def test_the_trace_probe_compiles(source):
                           "/dev/stdout", str(KERNEL_DIR / source)], capture_output=True)
     assert out.returncode == 0, out.stderr.decode()
     assert b"\0qmm_trace_n\0" in out.stdout and b"\0qmm_trace\0" in out.stdout
+
+
+LISTING = """
+.text.k:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+.L_x_2:
+        /*0020*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0030*/              @!P0 HMMA.16816.F32 R12, R4, R6, R12 ;
+        /*0040*/                   ISETP.GE.AND P1, PT, R0, 0x3, PT ;
+        /*0050*/              @!P1 BRA `(.L_x_2) ;
+        /*0060*/                   BRA `(.L_x_3) ;
+        /*0070*/                   IADD3 R0, R0, 0x1, RZ ;
+.L_x_3:
+        /*0080*/               @P2 BRA `(.L_x_1) ;
+        /*0090*/                   EXIT ;
+.L_x_4:
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R19+URZ], R18 ;
+        /*00b0*/              @!P0 BRA `(.L_x_4) ;
+        /*00c0*/                   BRA `(.L_x_3) ;
+//--------------------- .text.other --------------------------
+"""
+
+
+def test_sass_loops_reads_a_listing():
+    """Backward branches make loops (the inner one inside the outer), forward ones do not, nor does a wait's retry
+    loop placed after the kernel's end branching back into it; predicates and modifiers are not part of an opcode."""
+    funcs = sass_loops.functions(LISTING)
+    assert list(funcs) == ["k"]
+    inner, outer, retry = sass_loops.loops(funcs["k"])
+    assert (retry.start, retry.end) == (10, 11)
+    assert (inner.start, inner.end, inner.size) == (2, 5, 4) and inner.opcodes["HMMA"] == 2
+    assert (outer.start, outer.end) == (1, 8) and outer.opcodes == {"LDG": 1, "HMMA": 2, "ISETP": 1, "BRA": 3,
+                                                                     "IADD3": 1}
+
+
+def test_sass_loops_counts_the_one_row_matmul():
+    """The loader's compile of matmul_rows.cu, disassembled: exl2_matmul_m1's 4-bit batch (3 chunks of 4 MMAs) is
+    one loop of 12 HMMA, and CuPy's short cubin image is made whole (nvdisasm reads it)."""
+    nvrtc_or_skip()
+    if sass_loops.nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    funcs = sass_loops.functions(sass_loops.disassemble(sass_loops.compile_cubin("matmul_rows")))
+    batches = [lp for lp in sass_loops.loops(funcs["exl2_matmul_m1"]) if lp.opcodes["HMMA"] == 12]
+    assert len(batches) == 1 and batches[0].opcodes["LDG"] >= 3, batches
