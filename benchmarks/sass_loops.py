@@ -2,7 +2,7 @@
 options, sm_90a unless told), disassembles it (nvdisasm: CUDA's, or the nvidia-cuda-nvdisasm wheel's) and prints
 every loop of the named kernels (a backward branch and what lies between it and its target): SASS instructions,
 tensor-core MMAs (HMMA) and the most frequent opcodes. Counting here before a GPU run says whether a change to a
-chunk loop removed the instructions it meant to (the issue-bound one-row matmul: docs/decode-matmul.md).
+chunk loop removed the instructions it meant to (the one-row matmul: docs/decode-matmul.md, docs/megakernel.md).
 
     python benchmarks/sass_loops.py matmul_rows --kernel exl2_matmul_m1 [--defines QMM_PREFETCH_BYTES=2048,...]
 """
