@@ -2,7 +2,7 @@
 options, sm_90a unless told), disassembles it (nvdisasm: CUDA's, or the nvidia-cuda-nvdisasm wheel's) and prints
 every loop of the named kernels (a backward branch and what lies between it and its target): SASS instructions,
 tensor-core MMAs (HMMA) and the most frequent opcodes. Counting here before a GPU run says whether a change to a
-chunk loop removed the instructions it meant to (the issue-bound one-row matmul: docs/decode-matmul.md).
+chunk loop removed the instructions it meant to (the one-row matmul: docs/decode-matmul.md, docs/megakernel.md).
 
     python benchmarks/sass_loops.py matmul_rows --kernel exl2_matmul_m1 [--defines QMM_PREFETCH_BYTES=2048,...]
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from exl_backends.kernels.loader import KERNEL_DIR, PRECISE_FAMILIES  # noqa: E402
+from exl_backends.kernels.loader import KERNEL_DIR, nvrtc_options  # noqa: E402
 
 
 def cuda_include_dir() -> Path | None:
@@ -61,10 +61,8 @@ def compile_cubin(family: str, arch: str = "sm_90a", defines: tuple[str, ...] = 
     if include is None:
         raise SystemExit("CUDA headers (cuda_fp16.h) not found: set CUDA_PATH")
     source = f'#line 1 "{family}.cu"\n' + (KERNEL_DIR / f"{family}.cu").read_text()
-    options = ["-std=c++17", f"-I{KERNEL_DIR}", f"-I{include}", f"-arch={arch}"]     # -arch: NVRTC's cubin test
-    if family not in PRECISE_FAMILIES:
-        options.append("--use_fast_math")
-    options += [f"-D{d}" for d in defines]
+    # -arch=, not --gpu-architecture=: CuPy's getCUBIN looks for that spelling of a real architecture
+    options = [*nvrtc_options(family), f"-I{include}", f"-arch={arch}", *(f"-D{d}" for d in defines)]
     prog = nvrtc.createProgram(source, f"{family}.cu", [], [])
     try:
         nvrtc.compileProgram(prog, options)

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -118,8 +117,9 @@ LISTING = """
 
 
 def test_sass_loops_reads_a_listing():
-    """Backward branches make loops (the inner one inside the outer), forward ones do not, nor does a wait's retry
-    loop placed after the kernel's end branching back into it; predicates and modifiers are not part of an opcode."""
+    """Backward branches make loops (the inner one inside the outer), forward ones do not; a wait's retry stub after
+    the kernel's end is a loop of its own, but its branch back into the body is none (its span holds the EXIT);
+    predicates and modifiers are not part of an opcode."""
     funcs = sass_loops.functions(LISTING)
     assert list(funcs) == ["k"]
     inner, outer, retry = sass_loops.loops(funcs["k"])

@@ -57,14 +57,17 @@ def arch(cc: tuple[int, int]) -> str:
     return f"sm_{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
 
 
+def nvrtc_options(family: str) -> tuple[str, ...]:
+    """NVRTC's options for `<family>.cu`, all but the target (benchmarks/sass_loops.py compiles with the same)."""
+    return ("-std=c++17", f"-I{KERNEL_DIR}") + (() if family in PRECISE_FAMILIES else ("--use_fast_math",))
+
+
 @functools.cache
 def module(family: str, cc: tuple[int, int]):
     """The compiled RawModule of `<family>.cu` for compute capability cc (memoised per process)."""
     cp = cupy()
     source = f'#line 1 "{family}.cu"\n' + (KERNEL_DIR / f"{family}.cu").read_text()
-    options = ("-std=c++17", f"-I{KERNEL_DIR}", f"--gpu-architecture={arch(cc)}")
-    if family not in PRECISE_FAMILIES:
-        options += ("--use_fast_math",)
+    options = nvrtc_options(family) + (f"--gpu-architecture={arch(cc)}",)
     try:
         mod = cp.RawModule(code=source, options=options, backend="nvrtc")
         mod.compile()
