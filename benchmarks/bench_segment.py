@@ -244,12 +244,13 @@ def op_rows(records: np.ndarray, names: dict) -> list[tuple]:
     return sorted(rows, key=lambda r: r[2])
 
 
-def trace_shape(shape: str, runs: int = 20) -> None:
+def trace_shape(shape: str, define: str = "", runs: int = 20) -> None:
     """Where each op's time goes in one block (launch-per-op's 8 launches, then the same ops as one segment): per op,
     medians over runs of its first warp's start, its warps' passes through the wait (first .. last), a warp's work
     after its pass, the last walk's end and the op's end, for split matmuls the summing warp's arrival and sum; and
     the gap from the op before's end to this op's first pass (the dependency's latency). Kernels compiled with
-    TRACE_DEFINE (the block's time under it is printed beside the default build's, so the probe's own cost shows)."""
+    TRACE_DEFINE (the block's time under it is printed beside the build's without it, so the probe's own cost shows),
+    and with define ('+' between several) if given."""
     s = SHAPES[shape]
     d, hd = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
     names = {(3, d): "qkv", (1, s["num_attention_heads"] * hd): "o", (2, d): "gate_up",
@@ -259,11 +260,11 @@ def trace_shape(shape: str, runs: int = 20) -> None:
     done = mk.counters(len(blocks), torch.device("cuda"))
     segments = [chained([layer], done[j * (mk.MAX_OPS + 1):]) for j, layer in enumerate(layers)]
     paths = {"launch-per-op": (layers, 1, ["matmul_rows"]), "segment": (segments, 1, ["megakernel"])}
-    for define in ("", TRACE_DEFINE):
-        use_define(define, FAMILIES)
+    for build in (define, "+".join(d for d in (define, TRACE_DEFINE) if d)):
+        use_define(build, FAMILIES)
         for path, (calls, _, _) in paths.items():
             print(f"{shape} {path} block {time_calls(calls) * len(calls) / len(blocks) * 1e6:.2f} us replayed, "
-                  f"weights from DRAM ({define or 'default build'})")
+                  f"weights from DRAM ({build or 'default build'})")
     for path, (calls, per_copy, families) in paths.items():
         def once(fs=calls[:per_copy]):
             return [f() for f in fs]
@@ -288,13 +289,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
     ap.add_argument("--eager", action="store_true", help="a few eager launches of each, for ncu")
     ap.add_argument("--defines", default="", help="megakernel.cu variants, comma-separated (-D, '+' between "
-                                                   "several; empty: as it is)")
+                                                   "several; empty: as it is); --trace: the one build traced")
     ap.add_argument("--trace", action="store_true", help="where each op's time goes in a block, by stamps")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     if args.trace:
         for shape in args.shapes.split(","):
-            trace_shape(shape)
+            trace_shape(shape, args.defines)
         return
     if not args.eager:
         report_sm_map()

@@ -384,6 +384,13 @@ __device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::P
     stage_corrections(corr_s, xs_s, pt, 1, c0, c1, 0);
 }
 
+// MK_RING_SLOTS (a probe, 0 by default: bench_decode --defines ,MK_RING_SLOTS=2): at most this many ring slots a CTA.
+// Every byte the producers have in flight is queued ahead of the consumers' own loads (counter polls, x, records):
+// 6 slots x 2 CTAs is 192 KB an SM, ~8 us at an SM's share of DRAM, where ~1 us of it keeps DRAM busy.
+#ifndef MK_RING_SLOTS
+#define MK_RING_SLOTS 0
+#endif
+
 // MK_RING_GX (a probe, 0 by default: bench_decode --defines ,MK_RING_GX=1): unfolded blocks read x and its
 // corrections from stage_xs's output in global memory with each batch, before the batch's slot wait (launch-per-op's
 // GX sink), instead of copying them into shared memory after the op's wait.
@@ -477,7 +484,8 @@ __device__ void decode_ring(const Segment<N>& s)
     __shared__ unsigned long long barriers_s[N];
     __shared__ __align__(8) unsigned long long full_s[Ring::MAX_SLOTS], empty_s[Ring::MAX_SLOTS];
     const int c = blockIdx.x, G = gridDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const Ring ring{smem + s.ring_smem, full_s, empty_s, s.ring_slots};
+    const int slots = MK_RING_SLOTS ? min(s.ring_slots, MK_RING_SLOTS) : s.ring_slots;
+    const Ring ring{smem + s.ring_smem, full_s, empty_s, slots};
     if (threadIdx.x < s.n_ops)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers_s + threadIdx.x)) : "memory");
     if (threadIdx.x < ring.slots) {
