@@ -81,6 +81,30 @@ def test_decode_speed_steps_a_batch(dirs, batch):
     assert result["finite"] and result["tok_s"] > 0 and "replay_tok_s" not in result
 
 
+def test_decode_speed_never_runs_more_than_one_step_ahead(dirs, monkeypatch):
+    """Warm and timed steps alike: step i is launched only after step i - 2's tokens were read, as the generator
+    paces itself; unpaced warm steps queue ahead of the GPU, and the timed steps would carry their backlog."""
+    events = []
+    forward = bench.Runner.forward
+
+    def launch(self, batch):
+        events.append("launch")
+        return forward(self, batch)
+
+    class Arrival:                                # copy_to_host's event, whose wait is the host's read
+        def synchronize(self):
+            events.append("read")
+
+    monkeypatch.setattr(bench.Runner, "forward", launch)
+    monkeypatch.setattr(bench, "copy_to_host", lambda t: (t, Arrival()))
+    bench.decode_speed(Model.load(dirs["llama"]), context=40, steps=5, page_size=32)
+    launched = read = 0
+    for e in events:
+        launched, read = launched + (e == "launch"), read + (e == "read")
+        assert launched - read <= 2, events
+    assert launched == read == bench.WARM_STEPS + 5
+
+
 def test_decode_speed_feeds_each_step_the_one_befores_argmax(dirs, monkeypatch):
     """As the generator's look-ahead does: step i's input ids are step i - 1's greedy tokens, copied on the device
     (the host never sees them before the step is launched), at consecutive positions."""

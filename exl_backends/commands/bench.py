@@ -115,7 +115,9 @@ def _cache(model: Model | TensorParallelModel, n_pages: int, page_size: int, cac
 
 # Steps run before the timed ones: the graph's capture and the first steps' one-off costs (lazy kernel loads, the
 # first pinned blocks) stay out of the figure. With 4, the stepped 8B figure was 385 tok/s where the same loop
-# warmed longer ran at 400 (H100, 2026-12-07, benchmarks/host_step.py; docs/engine.md).
+# warmed longer ran at 400 (H100, 2026-12-07, benchmarks/host_step.py; docs/engine.md). They are paced as the timed
+# ones (each reads the token of the one before) and drained before the clock starts: unread, the host queued all 16
+# ahead of the GPU and the timed steps carried their backlog (the stepped figure 80 % of replay instead of 97 %).
 WARM_STEPS = 16
 
 
@@ -151,15 +153,19 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
         if done is not None:
             done.synchronize()
         return host.tolist()
-    logits, top, copy = step(0, None)
-    for i in range(1, WARM_STEPS):
-        logits, top, copy = step(i, top)
+    def run(first: int, n: int, top: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Steps first .. first + n - 1, each launched before the host reads the one before's tokens; the last's
+        logits and tokens, read."""
+        logits, top, copy = step(first, top)
+        for i in range(first + 1, first + n):
+            ahead = step(i, top)
+            read(copy)                          # the step before's tokens, while this one runs
+            logits, top, copy = ahead
+        read(copy)
+        return logits, top
+    _, top = run(0, WARM_STEPS, None)
     t0 = time.perf_counter()
-    for i in range(WARM_STEPS, WARM_STEPS + steps):
-        ahead = step(i, top)
-        read(copy)                              # the step before's tokens, while this one runs
-        logits, top, copy = ahead
-    read(copy)
+    logits, _ = run(WARM_STEPS, steps, top)
     result = dict(tok_s=batch * steps / (time.perf_counter() - t0),
                   bytes=weight_bytes(shard(model)) + context * bytes_per_token(model.config, cache_mode,
                                                                              model.dtype.itemsize),

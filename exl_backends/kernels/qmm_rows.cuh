@@ -100,6 +100,15 @@ struct Stamps {
 
 // ------------------------------------------------------------------------------------------- matmul
 
+// QMM_CORR_MMA (a probe, 0 by default: bench_decode --defines ,QMM_CORR_MMA=1): the one-row GX matmul sums each
+// FOLDED chunk's corrections itself instead of loading stage_xs's: two MMAs a chunk with a constant A (rows 0-7
+// 1024, rows 8-15 the rows' 2^i) against the x fragments it already holds. In M1 every B column is x row 0, so every
+// lane's C holds the group's sums, (sum 1024 x', sum x), with no shuffle; the sums' order is the MMA's, not
+// stage_corrections' (equal within fp32 rounding, not bit for bit). What the stage-free decode's consumer side costs.
+#ifndef QMM_CORR_MMA
+#define QMM_CORR_MMA 0
+#endif
+
 template <bool C, class A, class B> struct Pick { using T = A; };
 template <class A, class B> struct Pick<false, A, B> { using T = B; };
 
@@ -138,6 +147,8 @@ struct MatmulSink {
     float sf[4] = {};        // scales of the current group's columns col(0..3), fp32
     float zf[4] = {};        // zero points of those columns (FOLDED widths)
     float s1[N8][2] = {}, s0[N8][2] = {};     // the group's sum of corrections of x rows 8n + 2q + e
+    static constexpr bool CORR_MMA = QMM_CORR_MMA && GX && M1;
+    float cs[4] = {};        // CORR_MMA: C of the constant A against x: {sum 1024 x', =, sum x, =} over the group
     float part[2][N8][4] = {};
     float acc[2][N8][4] = {};
 
@@ -151,7 +162,8 @@ struct MatmulSink {
                 for (int i = 0; i < 4; ++i)
                     if (!M1 || i % 2 == 0) {
                         const int j = 2 * t + i / 2;
-                        const float offset = fmaf(zf[j], s0[n][i % 2], s1[n][i % 2]);
+                        const float offset = CORR_MMA ? fmaf(zf[j], cs[2], cs[0])
+                                                      : fmaf(zf[j], s0[n][i % 2], s1[n][i % 2]);
                         acc[t][n][i] = fmaf(part[t][n][i] - offset, sf[j], acc[t][n][i]);
                         part[t][n][i] = 0.f;
                     }
@@ -159,6 +171,8 @@ struct MatmulSink {
         for (int n = 0; n < N8; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e) s1[n][e] = s0[n][e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cs[i] = 0.f;
     }
 
     // Chunks c .. c + U - 1: from one 64-bit pointer per batch, so every load takes an immediate offset (per-chunk
@@ -177,7 +191,7 @@ struct MatmulSink {
                     ex[u].b[n][0] = __ldg(xb + 8 * u);        // rows 4q .. 4q + 3 of chunk c + u
                     ex[u].b[n][1] = __ldg(xb + 8 * u + 4);    // rows 16 + 4q ..
                     if constexpr (M1)
-                        ex[u].corr[n] = folded<B>() ? __ldg(cb + u) : make_float2(0.f, 0.f);
+                        ex[u].corr[n] = folded<B>() && !CORR_MMA ? __ldg(cb + u) : make_float2(0.f, 0.f);
                     else                                      // rows 8n + 2q, + 1: 16-byte aligned
                         ex[u].corr[n] = folded<B>() ? __ldg(reinterpret_cast<const float4*>(cb + u * ROWS + 8 * n))
                                                     : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -199,7 +213,13 @@ struct MatmulSink {
             group = group_key;
         }
         half2 a[16];
-        if constexpr (folded<B>() && GX) {
+        if constexpr (folded<B>() && CORR_MMA) {
+            decode_raw<B>(w, a);
+            constexpr unsigned ones = 0x64006400u, lo = 0x3c003c00u;           // (1024, 1024), (1, 1)
+            constexpr unsigned hi = B == 4 ? 0x4c004c00u : lo;                  // 2^i of the rows (r >> 1) & 1: 16
+#pragma unroll
+            for (int s = 0; s < 2; ++s) mma_16816(cs, ones, lo, ones, hi, ex.b[0][s].x, ex.b[0][s].y);
+        } else if constexpr (folded<B>() && GX) {
             decode_raw<B>(w, a);
 #pragma unroll
             for (int n = 0; n < N8; ++n) {
