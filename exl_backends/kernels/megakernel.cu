@@ -196,11 +196,11 @@ __device__ void decode_segment(const Segment<N>& s)
 //   (ring_slots: producer and consumers step through the same one). Warps without a strip in the block still wait
 //   for each slot and release it (the empty barrier counts all 8), so a slot is reused only after every warp is done
 //   with it; a warp releases its piece as soon as its words are in registers.
-//   After the op's wait the block copies its split's staged x and corrections (stage_xs's output in global memory)
+//   After the op's wait the block copies its split's staged x (stage_xs's output in global memory)
 //   into shared memory (xs_smem): bench_pipeline measured x read from global memory after every wait at 50 % of the
 //   bound against 71 % from shared memory (8B, H100).
-// Dynamic shared memory: [0, xs_smem) as the kernel above (a stage's row, a matmul's chunk_meta), then x and its
-// corrections (72 bytes a chunk of the longest split), then the ring at ring_smem (ring_slots slots of RING_SLOT).
+// Dynamic shared memory: [0, xs_smem) as the kernel above (a stage's row, a matmul's chunk_meta), then x (64 bytes a
+// chunk of the longest split), then the ring at ring_smem (ring_slots slots of RING_SLOT).
 // Results are the launch-per-op kernel's bits: each warp still walks its strip's chunks in order with the same sums.
 constexpr int RING_PIECE = 2048;              // >= batch<B>() * 128 * B for every width (2 KB at 8 bits)
 constexpr int RING_SLOT = qmm::WARPS * RING_PIECE;
@@ -364,11 +364,11 @@ __device__ __forceinline__ void fill_block(const RingBlock& rb, int strips_per_b
 
 // FOLDED (op.x non-null): the stage that launch-per-op runs before the matmul, for this block's rows only: x's stored
 // rows [32 c0, 32 c1) after the op's norm (the whole row's RMS: residual_row, r in shared memory at 0) or silu * up,
-// scaled for the folded widths, and their corrections, stage_xs's arithmetic in the same order (its butterfly is
-// stage_corrections' at one row); the part-0 blocks of column block 0 write the new residual's elements
-// [32 c0, 32 c1) (model order: the splits together write each once).
-__device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::Part& pt, const Op& op, int split,
-                                              bool writer, int c0, int c1, half* xs_s, float2* corr_s)
+// scaled for the folded widths, stage_xs's arithmetic (the one-row sink sums the corrections itself); the part-0
+// blocks of column block 0 write the new residual's elements [32 c0, 32 c1) (model order: the splits together
+// write each once).
+__device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::Part& pt, const Op& op, bool writer,
+                                              int c0, int c1, half* xs_s)
 {
     using namespace qmm;
     extern __shared__ __align__(16) half r_s[];
@@ -380,8 +380,6 @@ __device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::P
         xs_s[r] = __float2half_rn(__half2float(in) * row_scale(width_at(pt, c0 + r / 32), r % 32));
         if (writer && op.norm_w && op.residual) op.new_residual[k] = r_s[k];
     }
-    consumers_sync();
-    stage_corrections(corr_s, xs_s, pt, 1, c0, c1, 0);
 }
 
 // MK_RING_SLOTS (a probe, 0 by default: bench_decode --defines ,MK_RING_SLOTS=2): at most this many ring slots a CTA.
@@ -391,9 +389,9 @@ __device__ __forceinline__ void stage_block_x(const qmm::Params& p, const qmm::P
 #define MK_RING_SLOTS 0
 #endif
 
-// MK_RING_GX (a probe, 0 by default: bench_decode --defines ,MK_RING_GX=1): unfolded blocks read x and its
-// corrections from stage_xs's output in global memory with each batch, before the batch's slot wait (launch-per-op's
-// GX sink), instead of copying them into shared memory after the op's wait.
+// MK_RING_GX (a probe, 0 by default: bench_decode --defines ,MK_RING_GX=1): unfolded blocks read x from stage_xs's
+// output in global memory with each batch, before the batch's slot wait (launch-per-op's GX sink), instead of
+// copying it into shared memory after the op's wait.
 #ifndef MK_RING_GX
 #define MK_RING_GX 0
 #endif
@@ -425,9 +423,9 @@ __device__ __forceinline__ void ring_walk(const qmm::Params& p, const Op& op, co
     stamps.emit(1, p.n_parts, p.K, b);
 }
 
-// Matmul block b of op (a consumer warp): as matmul_part_staged, with x and its corrections in shared memory after
-// the wait (copied from stage_xs's output, or FOLDED: staged here; MK_RING_GX: read from global memory instead) and
-// the weights from the ring.
+// Matmul block b of op (a consumer warp): as matmul_part_staged, with x in shared memory after the wait (copied from
+// stage_xs's output, or FOLDED: staged here; MK_RING_GX: read from global memory instead) and the weights from the
+// ring.
 template <class Fmt>
 __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, int b, const CounterWait& wait,
                                             const Ring& ring, Ring::Pos& pos, unsigned char* smem, int xs_smem)
@@ -443,34 +441,29 @@ __device__ __forceinline__ void ring_matmul(const qmm::Params& p, const Op& op, 
     // FOLDED with a norm: the row r at 0, the chunk_meta entries after it
     int2* meta_s = reinterpret_cast<int2*>(smem + (op.x && op.norm_w ? 2 * p.K : p.meta_smem));
     half* xs_s = reinterpret_cast<half*>(smem + xs_smem);
-    float2* corr_s = reinterpret_cast<float2*>(smem + xs_smem + 64 * chunks);
     if (mine) prefetch_records<Fmt>(pt, strip, rb.split, lane);
     for (int c = threadIdx.x; c < chunks; c += THREADS) meta_s[c] = __ldg(pt.chunk_meta + rb.c0 + c);
     wait();                                            // x (stage_xs's, or FOLDED the op before's), ws, counters
     stamps.at(1);
     const half* xg = op.xs + (size_t)rb.pi * p.K;
-    const float2* cg = reinterpret_cast<const float2*>(op.xs + (size_t)p.n_parts * p.K) + (size_t)rb.pi * (p.K / 32);
     if (MK_RING_GX && !op.x) {
         consumers_sync();                              // (the chunk_meta entries)
         MatmulSink<Fmt, 1, true, true> sink;
         sink.xg = xg;
         sink.tile_step = 8 * (size_t)p.K;
-        sink.cg = cg;
         ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, pos, stamps, sink);
         return;
     }
     if (op.x) {
-        stage_block_x(p, pt, op, rb.split, rb.pi == 0 && rb.col_block == 0, rb.c0, rb.c1, xs_s, corr_s);
+        stage_block_x(p, pt, op, rb.pi == 0 && rb.col_block == 0, rb.c0, rb.c1, xs_s);
     } else {
         for (int i = threadIdx.x; i < 4 * chunks; i += THREADS)       // 32 halves a chunk: 4 x 16 bytes
             reinterpret_cast<uint4*>(xs_s)[i] = reinterpret_cast<const uint4*>(xg + 32 * rb.c0)[i];
-        for (int i = threadIdx.x; i < chunks; i += THREADS) corr_s[i] = cg[rb.c0 + i];
     }
     consumers_sync();
     MatmulSink<Fmt, 1, true> sink;
     sink.xc = xs_s + 4 * (lane % 4);
     sink.tile1 = 0;
-    sink.corr = corr_s;
     sink.c0 = rb.c0;
     sink.M = 1;
     ring_walk<Fmt>(p, op, rb, b, mine, strip, meta_s, ring, pos, stamps, sink);

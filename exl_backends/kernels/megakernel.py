@@ -129,12 +129,12 @@ def enabled(device: torch.device) -> bool:
 def ring_layout(ops: list[Op]) -> tuple[int, int, int] | None:
     """RING's dynamic shared memory for ops: (x copy offset, ring offset, slots), or None where fewer than
     MIN_RING_SLOTS slots fit beside the ops' own (a stage's row, a matmul's chunk_meta) and the longest split's x
-    and corrections (72 bytes a chunk)."""
+    (64 bytes a chunk)."""
     xs_smem = -(-max(op.smem for op in ops) // 128) * 128
     chunks = max((int(np.diff(part["split_chunk"][:part["n_splits"] + 1]).max())
                   for op in ops if op.kind == MATMUL
                   for part in op.params["part"][:int(op.params["n_parts"])]), default=0)
-    ring_smem = xs_smem + -(-72 * chunks // 128) * 128
+    ring_smem = xs_smem + -(-64 * chunks // 128) * 128
     slots = min(MAX_RING_SLOTS, (RING_SMEM - ring_smem) // RING_SLOT)
     return (xs_smem, ring_smem, slots) if slots >= MIN_RING_SLOTS else None
 

@@ -3,15 +3,15 @@
 //
 // MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
 //   stage_xs writes x (or the gated MLP's silu(x) * up) once per launch as the matmul reads it: each part's R = 1, 8 or
-//   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then each chunk's
-//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths). Grid (sum of the parts' blocks), block
+//   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then (R > 1) each chunk's
+//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths; m1 sums them itself). Grid (sum of the parts' blocks), block
 //   S = 8 or 7 warps, one a strip, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid
 //   to one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
 //   (PREFETCH_BYTES) and all group records of its range, and the block stages its chunk_meta entries: all from the
 //   parameters, so this overlaps the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the
 //   chunks of strip S bx + w in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are
-//   in flight without holding registers), loading with each chunk's words its B fragments of x and its corrections
-//   (L2): per chunk each lane decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and
+//   in flight without holding registers), loading with each chunk's words its B fragments of x and (m8, m16) its
+//   corrections (L2): per chunk each lane decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and
 //   issues m16n8k16 MMAs with A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the
 //   current group. At each group change the partial (minus the FOLDED corrections) is scaled by the group's per-column
 //   scale (fp32) and added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the
@@ -100,29 +100,28 @@ struct Stamps {
 
 // ------------------------------------------------------------------------------------------- matmul
 
-// QMM_CORR_MMA (a probe, 0 by default: bench_decode --defines ,QMM_CORR_MMA=1): the one-row GX matmul sums each
-// FOLDED chunk's corrections itself instead of loading stage_xs's: two MMAs a chunk with a constant A (rows 0-7
-// 1024, rows 8-15 the rows' 2^i) against the x fragments it already holds. In M1 every B column is x row 0, so every
-// lane's C holds the group's sums, (sum 1024 x', sum x), with no shuffle; the sums' order is the MMA's, not
-// stage_corrections' (equal within fp32 rounding, not bit for bit). What the stage-free decode's consumer side costs.
-#ifndef QMM_CORR_MMA
-#define QMM_CORR_MMA 0
-#endif
-
 template <bool C, class A, class B> struct Pick { using T = A; };
 template <class A, class B> struct Pick<false, A, B> { using T = B; };
 
 // x as stage_xs left it, read per chunk with the weights (GX sinks): the lane's B fragments of the two k16 steps
-// for each x-row tile, and the chunk's corrections of its x rows (one row: row 0's (x, y); else rows 2q, 2q + 1 of
-// each tile as (x, y, z, w)).
+// for each x-row tile, and (several rows) the chunk's corrections of rows 2q, 2q + 1 of each tile as (x, y, z, w).
 template <int N8, bool M1>
 struct XChunk {
     uint2 b[N8][2];
-    typename Pick<M1, float2, float4>::T corr[N8];
+    float4 corr[N8];
+};
+template <int N8>
+struct XChunk<N8, true> {
+    uint2 b[N8][2];
 };
 
 // Accumulates y^T for the warp's 32 columns: acc[t][n] is the C fragment of column tile t (columns 16t..16t+15
 // of the strip) and x-row tile n (rows 8n..8n+7). M1: only x row 0, i.e. fragment entries 0 and 2.
+// One row (M1) sums each FOLDED chunk's corrections itself, where more rows read stage_xs's: every B column of the
+// MMA is x row 0 there, so two more MMAs a chunk with a constant A (rows 0-7 all 1024, rows 8-15 each k's 2^i)
+// against the x fragments the chunk multiplies leave (sum 1024 x', sum x) in every lane's C, summed over the group
+// in fp32 (2026-12-07: launch-per-op's step within 0.5 % of the loaded corrections, 14 fewer instructions a 4-bit
+// batch; docs/megakernel.md).
 // GX (the dense launches): x and the corrections come from global memory (stage_xs's output) in the batches, not
 // from the block's shared memory (MoE stages them per block).
 template <class Fmt, int N8, bool M1, bool GX = false>
@@ -137,18 +136,17 @@ struct MatmulSink {
     // Clamping needs no zero fill: rows past M only feed the MMA columns of x rows >= M, which are never written.
     const half* xc;
     int tile1;
-    const float2* corr;      // the split's corrections [chunk - c0][M] (FOLDED widths)
+    const float2* corr;      // the split's corrections [chunk - c0][M] (FOLDED widths; not M1)
     int c0, M;
     const half* xg;          // GX: the part's x in stored order [ROWS][K], at row g (M1: row 0)
     size_t tile_step;        // GX: halves from row g to row 8 + g
-    const float2* cg;        // GX: its corrections [chunk][ROWS], at row 2q (M1: row 0)
+    const float2* cg;        // GX: its corrections [chunk][ROWS], at row 2q (not M1)
     int group = -1;
     typename Fmt::State st;
     float sf[4] = {};        // scales of the current group's columns col(0..3), fp32
     float zf[4] = {};        // zero points of those columns (FOLDED widths)
-    float s1[N8][2] = {}, s0[N8][2] = {};     // the group's sum of corrections of x rows 8n + 2q + e
-    static constexpr bool CORR_MMA = QMM_CORR_MMA && GX && M1;
-    float cs[4] = {};        // CORR_MMA: C of the constant A against x: {sum 1024 x', =, sum x, =} over the group
+    float s1[N8][2] = {}, s0[N8][2] = {};     // the group's sum of corrections of x rows 8n + 2q + e (not M1)
+    float cs[4] = {};        // M1: the constant A's C: {sum 1024 x', the same, sum x, the same} over the group
     float part[2][N8][4] = {};
     float acc[2][N8][4] = {};
 
@@ -162,8 +160,8 @@ struct MatmulSink {
                 for (int i = 0; i < 4; ++i)
                     if (!M1 || i % 2 == 0) {
                         const int j = 2 * t + i / 2;
-                        const float offset = CORR_MMA ? fmaf(zf[j], cs[2], cs[0])
-                                                      : fmaf(zf[j], s0[n][i % 2], s1[n][i % 2]);
+                        const float offset = M1 ? fmaf(zf[j], cs[2], cs[0])
+                                                : fmaf(zf[j], s0[n][i % 2], s1[n][i % 2]);
                         acc[t][n][i] = fmaf(part[t][n][i] - offset, sf[j], acc[t][n][i]);
                         part[t][n][i] = 0.f;
                     }
@@ -190,9 +188,7 @@ struct MatmulSink {
                 for (int u = 0; u < U; ++u) {
                     ex[u].b[n][0] = __ldg(xb + 8 * u);        // rows 4q .. 4q + 3 of chunk c + u
                     ex[u].b[n][1] = __ldg(xb + 8 * u + 4);    // rows 16 + 4q ..
-                    if constexpr (M1)
-                        ex[u].corr[n] = folded<B>() && !CORR_MMA ? __ldg(cb + u) : make_float2(0.f, 0.f);
-                    else                                      // rows 8n + 2q, + 1: 16-byte aligned
+                    if constexpr (!M1)                        // rows 8n + 2q, + 1: 16-byte aligned
                         ex[u].corr[n] = folded<B>() ? __ldg(reinterpret_cast<const float4*>(cb + u * ROWS + 8 * n))
                                                     : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
@@ -213,22 +209,23 @@ struct MatmulSink {
             group = group_key;
         }
         half2 a[16];
-        if constexpr (folded<B>() && CORR_MMA) {
+        if constexpr (folded<B>() && M1) {
             decode_raw<B>(w, a);
-            constexpr unsigned ones = 0x64006400u, lo = 0x3c003c00u;           // (1024, 1024), (1, 1)
-            constexpr unsigned hi = B == 4 ? 0x4c004c00u : lo;                  // 2^i of the rows (r >> 1) & 1: 16
+            // A: k < 8 are rows with (r >> 1) & 1 clear (2^i = 1), k >= 8 set (2^i = 16 at 4 bits)
+            constexpr unsigned k1024 = 0x64006400u, one = 0x3c003c00u, hi = B == 4 ? 0x4c004c00u : one;
 #pragma unroll
-            for (int s = 0; s < 2; ++s) mma_16816(cs, ones, lo, ones, hi, ex.b[0][s].x, ex.b[0][s].y);
+            for (int s = 0; s < 2; ++s) {
+                const uint2 v = x_fragment(ex, 0, s);
+                mma_16816(cs, k1024, one, k1024, hi, v.x, v.y);
+            }
         } else if constexpr (folded<B>() && GX) {
             decode_raw<B>(w, a);
 #pragma unroll
             for (int n = 0; n < N8; ++n) {
                 s1[n][0] += ex.corr[n].x;
                 s0[n][0] += ex.corr[n].y;
-                if constexpr (!M1) {
-                    s1[n][1] += ex.corr[n].z;
-                    s0[n][1] += ex.corr[n].w;
-                }
+                s1[n][1] += ex.corr[n].z;
+                s0[n][1] += ex.corr[n].w;
             }
         } else if constexpr (folded<B>()) {
             decode_raw<B>(w, a);
@@ -237,7 +234,7 @@ struct MatmulSink {
 #pragma unroll
             for (int n = 0; n < N8; ++n)
 #pragma unroll
-                for (int e = 0; e < (M1 ? 1 : 2); ++e) {
+                for (int e = 0; e < 2; ++e) {
                     const float2 v = cc[min(8 * n + 2 * q + e, M - 1)];
                     s1[n][e] += v.x;
                     s0[n][e] += v.y;
@@ -250,9 +247,7 @@ struct MatmulSink {
             unsigned b[N8][2];
 #pragma unroll
             for (int n = 0; n < N8; ++n) {
-                uint2 v;
-                if constexpr (GX) v = ex.b[n][s];
-                else v = *reinterpret_cast<const uint2*>(xc + n * tile1 + 16 * s);
+                const uint2 v = x_fragment(ex, n, s);
                 b[n][0] = v.x;                         // rows 16s + 4q, +1  (MMA k = 2q, 2q+1)
                 b[n][1] = v.y;                         // rows 16s + 4q + 2, +3  (MMA k = 2q+8, 2q+9)
             }
@@ -264,6 +259,13 @@ struct MatmulSink {
                               as_bits(a[8 * t + 2 * s + 1]), as_bits(a[8 * t + 4 + 2 * s + 1]), b[n][0], b[n][1]);
         }
         if constexpr (!GX) xc += 32;
+    }
+
+    // The lane's B fragment of x-row tile n for k16 step s of the current chunk.
+    __device__ uint2 x_fragment(const Extra& ex, int n, int s) const
+    {
+        if constexpr (GX) return ex.b[n][s];
+        else return *reinterpret_cast<const uint2*>(xc + n * tile1 + 16 * s);
     }
 
     __device__ static int g() { return threadIdx.x % 32 / 4; }
@@ -458,8 +460,10 @@ __device__ __forceinline__ void matmul_part(const Params& p, const Part& pt, int
     stage_x<M1 ? 1 : STAGE_ROWS>(xs, x, pt, M, p.K, c0, c1, p.xs_stride, first);
     __syncthreads();
     float2* corr = reinterpret_cast<float2*>(smem + p.corr_smem);
-    stage_corrections(corr, xs, pt, M, c0, c1, p.xs_stride);
-    __syncthreads();
+    if constexpr (!M1) {                               // (one row: the sink sums them)
+        stage_corrections(corr, xs, pt, M, c0, c1, p.xs_stride);
+        __syncthreads();
+    }
     if (strip >= pt.strips) return;
 
     MatmulSink<Fmt, N8, M1> sink;
@@ -588,7 +592,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     const int g = lane / 4, q = lane % 4;
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
     sink.tile_step = 8 * (size_t)p.K;
-    sink.cg = cg + (M1 ? 0 : 2 * q);
+    if constexpr (!M1) sink.cg = cg + 2 * q;
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     stamps.at(2);
@@ -624,7 +628,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
 // x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,
 // m) of the grid (ceil(K / 32 / WARPS), n_parts, R) stages chunk c = bx * WARPS + warp of the part and row m, by one
 // warp, lane r taking stored
-// row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and the chunk's
+// row 32c + r: xs[part][m][k'] = x[m][perm[k']] (x' = x * 2^-i for FOLDED rows, as stage_x) and (R > 1) the chunk's
 // correction corr[part][c][m] (as stage_corrections for one row: the same sums in the same order). What is staged
 // in place of x, so that the op before needs no launch of its own:
 //  - up non-null ([M, K] like x): the gated MLP's fp16(fp16(silu(x)) * up), rounded as activation.cu's silu_mul;
@@ -657,17 +661,19 @@ __device__ __forceinline__ void stage_xs(const Params& p, const half* x, const h
     if (up) in = silu_mul(in, up[row + src]);
     const half v = __float2half_rn(__half2float(in) * row_scale(b, lane));
     xs[((size_t)part * R + m) * p.K + k] = v;
-    float lo = 0.f, hi = 0.f;                          // rows with (r >> 1) & 1 clear / set
-    if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
-    for (int span = 16; span >= 1; span /= 2) {
-        lo += __shfl_xor_sync(FULL_MASK, lo, span);
-        hi += __shfl_xor_sync(FULL_MASK, hi, span);
+    if (R > 1) {                                       // (one row: the matmul sums its corrections)
+        float lo = 0.f, hi = 0.f;                      // rows with (r >> 1) & 1 clear / set
+        if (lane >> 1 & 1) hi = __half2float(v); else lo = __half2float(v);
+        for (int span = 16; span >= 1; span /= 2) {
+            lo += __shfl_xor_sync(FULL_MASK, lo, span);
+            hi += __shfl_xor_sync(FULL_MASK, hi, span);
+        }
+        float2* corr = reinterpret_cast<float2*>(xs + (size_t)p.n_parts * R * p.K);
+        if (lane == 0)
+            corr[((size_t)part * chunks + c) * R + m] = (b == 4 || b == 6 || b == 8)
+                                                  ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2))
+                                                  : make_float2(0.f, 0.f);
     }
-    float2* corr = reinterpret_cast<float2*>(xs + (size_t)p.n_parts * R * p.K);
-    if (lane == 0)
-        corr[((size_t)part * chunks + c) * R + m] = (b == 4 || b == 6 || b == 8)
-                                              ? make_float2(1024.f * (lo + hi), lo + hi / row_scale(b, 2))
-                                              : make_float2(0.f, 0.f);
     stamps.at(2);
     stamps.at(3);
     stamps.emit(0, p.n_parts, p.K, bx);

@@ -140,14 +140,14 @@ def matmul_op(split_chunks: list[int], smem: int) -> mk.Op:
 
 
 def test_the_ring_fits_beside_the_longest_splits_x_or_is_not_used():
-    """RING's shared memory: the ops' own area, then x and corrections of the longest split (72 bytes a chunk), then
+    """RING's shared memory: the ops' own area, then x of the longest split (64 bytes a chunk), then
     whole slots up to RING_SMEM; too little room for MIN_RING_SLOTS slots: no ring (the plain segment runs)."""
     ops = [mk.Op(mk.STAGE, 16, 8192, np.zeros((), qm.PARAMS_DTYPE), {}), matmul_op([0, 100, 448], 8 * 348)]
     xs, ring, slots = mk.ring_layout(ops)
-    assert xs == 8192 and ring == 8192 + 72 * 348 // 128 * 128 + 128 and ring % 128 == 0
+    assert xs == 8192 and ring == 8192 + 64 * 348 and ring % 128 == 0
     assert slots == min(mk.MAX_RING_SLOTS, (mk.RING_SMEM - ring) // mk.RING_SLOT) >= mk.MIN_RING_SLOTS
     assert ring + slots * mk.RING_SLOT <= mk.RING_SMEM
-    assert mk.ring_layout([matmul_op([0, 1200], 8 * 1200)]) is None      # 84 KB of x leaves room for one slot
+    assert mk.ring_layout([matmul_op([0, 1200], 8 * 1200)]) is None      # 75 KB of x leaves room for one slot
 
 
 def test_chaining_without_counters_changes_nothing():
