@@ -15,8 +15,8 @@ a one-row matmul on the op before. Modes:
 Consumers (--consumers; @N: N consumer warps, default 8):
   w<WORK>  WORK x (LOP3 + HFMA2) per 16 bytes a lane (32: about the one-row EXL2 matmul's instruction count)
   exl2     the one-row EXL2 kernel's own chunk loop (qmm::MatmulSink: 4-bit decode, MMAs, group scales) on the slots'
-           bytes, x and its corrections read from global memory as the M1 kernel reads them
-  exl2-xs  the same with x and the corrections copied into shared memory first
+           bytes, x read from global memory as the M1 kernel reads it (the corrections summed by MMA, as it does)
+  exl2-xs  the same with x copied into shared memory first
   exl2-fma the same chunks by HFMA2 dot products (no MMA; fp16 sums over a group): a loop of short chains
 Layouts (--layouts): 5, every op waits for the one before (today's all-to-all dependencies, 5 a layer); 3, o and
 down do not wait (they would run in the CTA that computed their inputs) and end adding a hidden-size partial into
@@ -149,10 +149,9 @@ struct Ring {
     }
 };
 
-// What the consumers read besides the ring (the EXL2 consumers' x, corrections and group records).
+// What the consumers read besides the ring (the EXL2 consumers' x and group records).
 struct Inputs {
     const half* x;              // [K] in stored order (stage_xs's output for one row)
-    const float2* corr;         // [K / 32] the folded chunks' corrections
     const unsigned* records;    // [K / 128][4] scale-code records of one strip (every warp reads the same)
     int kchunks;                // K / 32
 };
@@ -184,24 +183,22 @@ struct Synthetic {
 // The one-row EXL2 kernel's own chunk loop (qmm::MatmulSink<Exl2, 1, true, true>: 4-bit folded decode, m16n8k16
 // MMAs, per-group scales) on the ring's bytes: each 512-byte piece of a slot is one 4-bit chunk of a warp's strip
 // (piece j to warp j % CONSUMERS), the warp's chunks consecutive along K (groups of 4 chunks, 128 rows), their x
-// fragments and corrections from global memory as the M1 kernel reads them (XS: from a copy in shared memory), one
-// chunk's loads ahead of its MMAs.
+// fragments from global memory as the M1 kernel reads them (XS: from a copy in shared memory), one chunk's loads
+// ahead of its MMAs.
 template <bool XS, int CONSUMERS>
 struct Exl2Chunks {
     using Sink = qmm::MatmulSink<qmm::Exl2, 1, true, true>;
     Sink sink;
     qmm::Exl2::Cursor cur;
     const uint2* xb;            // the lane's x fragments of chunk 0 (global or shared)
-    const float2* cb;           // the corrections (global or shared)
     int kc = 0, kchunks = 1;    // the warp's next chunk along K
-    Sink::Extra ex;             // the next chunk's x fragments and corrections, loaded ahead
+    Sink::Extra ex;             // the next chunk's x fragments, loaded ahead
     qmm::Exl2::Raw raw;         // and its group record
 
     __device__ void fetch()
     {
         ex.b[0][0] = xb[8 * kc];                       // rows 4q .. 4q + 3 of the chunk
         ex.b[0][1] = xb[8 * kc + 4];                   // rows 16 + 4q ..
-        ex.corr[0] = cb[kc];
         raw = qmm::Exl2::load(cur, make_int2(kc / 4, 0x20002000));
     }
 
@@ -210,18 +207,13 @@ struct Exl2Chunks {
         kchunks = in.kchunks;
         cur = {in.records + (lane / 4 >> 1)};
         const half* x = in.x;
-        const float2* corr = in.corr;
-        if constexpr (XS) {                            // x and the corrections copied once into shared memory
+        if constexpr (XS) {                            // x copied once into shared memory
             half* xs = reinterpret_cast<half*>(extra);
-            float2* cs = reinterpret_cast<float2*>(extra + 64 * kchunks);
             for (int i = threadIdx.x - 32; i < 32 * kchunks; i += 32 * CONSUMERS) xs[i] = x[i];
-            for (int i = threadIdx.x - 32; i < kchunks; i += 32 * CONSUMERS) cs[i] = corr[i];
             asm volatile("bar.sync 1, %0;" ::"n"(32 * CONSUMERS) : "memory");
             x = xs;
-            corr = cs;
         }
         xb = reinterpret_cast<const uint2*>(x) + lane % 4;
-        cb = corr;
         fetch();
     }
 
@@ -333,7 +325,7 @@ template <class Consumer, int CONSUMERS>
 __global__ void __launch_bounds__(32 * (CONSUMERS + 1), 1)
 pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offset, const int* __restrict__ share,
          const int* __restrict__ flags, int n_ops, int slot_bytes, int slots, int* counters, int gen, int mode,
-         float* out, float* resid, int hidden, const half* x, const float2* corr, const unsigned* records, int kchunks)
+         float* out, float* resid, int hidden, const half* x, const unsigned* records, int kchunks)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[32], empty[32];
@@ -356,7 +348,7 @@ pipeline(const unsigned char* __restrict__ w, const long long* __restrict__ offs
 
     const int cw = warp - 1;                           // consumers
     Consumer consumer;
-    consumer.start({x, corr, records, kchunks}, smem + (size_t)slots * slot_bytes, lane);
+    consumer.start({x, records, kchunks}, smem + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int k = 0; k < n_ops; ++k) {
         const unsigned char* src = w + offset[k] + (size_t)c * share[k];
@@ -469,18 +461,17 @@ def compile_kernels(source: str, kernel: str, consumers: str) -> tuple[cp.RawMod
 
 
 def consumer_inputs(hidden: int, rng: np.random.Generator) -> tuple:
-    """The EXL2 consumers' inputs besides the ring (the kernel's Inputs), random: x [hidden] fp16, its corrections,
-    the group records; and K / 32."""
+    """The EXL2 consumers' inputs besides the ring (the kernel's Inputs), random: x [hidden] fp16, the group records;
+    and K / 32."""
     kchunks = hidden // 32
     return (cp.asarray(rng.standard_normal(32 * kchunks).astype(np.float16)),
-            cp.asarray(rng.standard_normal(2 * kchunks).astype(np.float32)),
             cp.asarray(rng.integers(0, 2**32, kchunks + 8, dtype=np.uint32)), kchunks)
 
 
 def shared_memory(kernel, spec: str, ring_bytes: int, kchunks: int) -> int | None:
     """The dynamic shared memory `kernel` gets for consumer `spec` (the ring, then exl2-xs's copy of x), set on it;
     None (and a line printed) where it does not fit."""
-    smem = ring_bytes + (72 * kchunks if spec.startswith("exl2-xs") else 0)
+    smem = ring_bytes + (64 * kchunks if spec.startswith("exl2-xs") else 0)
     if smem > MAX_SMEM:
         print(f"{spec}: {smem} bytes of shared memory do not fit; skipped")
         return None
@@ -539,7 +530,7 @@ def main() -> None:
         total = int(sum(s * G for s in shares))
         w = cp.arange(total // 4, dtype=cp.uint32).view(cp.uint8)
         d_off, d_share = cp.asarray(offsets), cp.asarray(np.array(shares, dtype=np.int32))
-        x, corr, records, kchunks = consumer_inputs(SHAPES[shape]["hidden_size"], rng)   # K: the hidden size
+        x, records, kchunks = consumer_inputs(SHAPES[shape]["hidden_size"], rng)   # K: the hidden size
         resid = cp.zeros(SHAPES[shape]["hidden_size"], dtype=cp.float32)
         bound_us = total / bw * 1e6
         print(f"\n{shape}, ctx {args.context}: {len(ops)} ops, {total / 1e9:.3f} GB a step, bound {bound_us:.0f} us")
@@ -557,8 +548,8 @@ def main() -> None:
                     us = median_us(lambda gen: kernel(
                         (G,), (32 * (warps + 1),),
                         (w, d_off, d_share, flags, np.int32(len(ops)), np.int32(slot_bytes), np.int32(args.slots),
-                         counters, np.int32(gen), np.int32(MODES[mode]), out, resid, np.int32(resid.size), x, corr,
-                         records, np.int32(kchunks)), shared_mem=smem), args.launches)
+                         counters, np.int32(gen), np.int32(MODES[mode]), out, resid, np.int32(resid.size), x, records,
+                         np.int32(kchunks)), shared_mem=smem), args.launches)
                     row = dict(shape=shape, context=args.context, layout=layout, mode=mode, consumer=spec,
                                us=round(us, 1), tb_s=round(total / us / 1e6, 3), share=round(bound_us / us, 3),
                                bytes=total, slots=args.slots, slot_kb=args.slot_kb)

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(32 * (CONSUMERS + 1), 1)
 table_step(const unsigned char* __restrict__ w, const Entry* __restrict__ entries, const int* __restrict__ first,
            const int* __restrict__ wait_k, const int* __restrict__ wait_v, const int* __restrict__ sig,
            int slot_bytes, int slots, int* counters, int gen, int mode, float* out, float* resid, int hidden,
-           const half* x, const float2* corr, const unsigned* records, int kchunks)
+           const half* x, const unsigned* records, int kchunks)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[32], empty[32];
@@ -66,7 +66,7 @@ table_step(const unsigned char* __restrict__ w, const Entry* __restrict__ entrie
 
     const int cw = warp - 1;
     Consumer consumer;
-    consumer.start({x, corr, records, kchunks}, smem + (size_t)slots * slot_bytes, lane);
+    consumer.start({x, records, kchunks}, smem + (size_t)slots * slot_bytes, lane);
     int it = 0;
     for (int i = e0; i < e1; ++i) {
         const Entry e = entries[i];
@@ -125,7 +125,7 @@ def main() -> None:
     rows, rng = [], np.random.default_rng(0)
     for shape in args.shapes.split(","):
         config = config_for(shape)
-        x, corr, records, kchunks = consumer_inputs(config.hidden_size, rng)
+        x, records, kchunks = consumer_inputs(config.hidden_size, rng)
         resid = cp.zeros(config.hidden_size, dtype=cp.float32)
         for layout in args.layouts.split(","):
             table = step_table.build(config, G, layout)
@@ -150,7 +150,7 @@ def main() -> None:
                         (G,), (32 * (warps + 1),),
                         (w, d["entries"], d["first"], d["wait_k"], d["wait_v"], d["sig"], np.int32(slot_bytes),
                          np.int32(args.slots), counters, np.int32(gen), np.int32(MODES[mode]), out, resid,
-                         np.int32(config.hidden_size), x, corr, records, np.int32(kchunks)), shared_mem=smem),
+                         np.int32(config.hidden_size), x, records, np.int32(kchunks)), shared_mem=smem),
                         args.launches)
                     rows.append(dict(shape=shape, layout=layout, context=args.context, mode=mode, consumer=spec,
                                      us=round(us, 1), tb_s=round(flat["bytes"] / us / 1e6, 3),

@@ -63,6 +63,33 @@ def test_smollm2_shape_gpu_logits_match_cpu_reference(tmp_path):
     assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.8   # random weights: some near-ties
 
 
+@pytest.mark.parametrize("cache_mode,context", [("fp16", 300), ("q4", 300), ("fp16", 700)])
+def test_decode_attention_writes_the_o_projections_input_as_it_reads_it(cache_mode, context, monkeypatch):
+    """A decode row's attention output written where and as its quantized o projection reads it (act-order's stored
+    order, 4-bit rows scaled: no stage launch before o) gives the staged path's logits bit for bit; 700 keys take
+    the split attention's merge."""
+    import dataclasses
+
+    from exl_backends.kernels import quant_matmul as qm
+    from exl_backends.model.batch import Batch, SeqChunk
+    from exl_backends.model.cache import KVCache
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                           max_seq_len=1024, cache_mode=cache_mode).model
+    cache = KVCache(model.config, 4, 256, cache_mode, "cuda", torch.float16)
+    pages = cache.pool.allocate(3)
+    prompt = torch.randint(1, 500, (context,), generator=torch.Generator().manual_seed(5)).tolist()
+    model.forward(Batch.build([SeqChunk(prompt, 0, pages)], 256, "cuda"), cache)
+    step = Batch.build([SeqChunk([17], context, pages)], 256, "cuda")
+    stored = []
+    forward_stored = qm.QuantMatmul.forward_stored
+    monkeypatch.setattr(qm.QuantMatmul, "forward_stored", lambda self, x: stored.append(x) or forward_stored(self, x))
+    direct = model.forward(step, cache)
+    assert len(stored) == model.config.n_layers
+    monkeypatch.setattr(model, "ops", dataclasses.replace(model.ops, attention_into=False))
+    staged = model.forward(step, cache)
+    assert len(stored) == model.config.n_layers and torch.equal(direct, staged)
+
+
 @pytest.mark.parametrize("cache_mode", ["fp16", "q4"])
 def test_graph_replay_generates_the_same_tokens_as_eager(cache_mode):
     model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",

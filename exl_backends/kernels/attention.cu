@@ -364,10 +364,39 @@ __device__ __forceinline__ void attend_tile(State<Shape<DH, K_BITS, V_BITS, KT>>
     __syncwarp();   // P is rewritten by the next tile
 }
 
-// Writes one output row of a query head from a warp: a = sum of p * V (lane: elements c*64 + 2l, +1), l = sum of p;
-// for a quantized V, a is in the rotated domain and R/32 is applied here.
+// Where the output goes: row r's element j (head * DH + dim) at base[r * width + j], fp16; or, with place (a decode
+// row for a quantized o projection: QuantMatmul.stored_x), where and as that launch reads its x after stage_xs:
+// base[r * width + (place[j] & 0x7fffffff)], times 2^-4 where bit 31 is set (a FOLDED 4-bit row), rounded as
+// stage_xs rounds it (the fp16 output, then the scaled value), so the o projection's bits stay the same.
+struct Out {
+    half* base;
+    const int* place;
+    int width;
+
+    __device__ __forceinline__ void put(int row, int j, float v) const {
+        const half h = __float2half_rn(v);
+        if (!place) {
+            base[(size_t)row * width + j] = h;
+            return;
+        }
+        const int at = __ldg(place + j);
+        base[(size_t)row * width + (at & 0x7fffffff)] = at < 0 ? __float2half_rn(__half2float(h) * 0.0625f) : h;
+    }
+    __device__ __forceinline__ void put2(int row, int j, float v0, float v1) const {
+        if (place) {
+            put(row, j, v0);
+            put(row, j + 1, v1);
+        } else {
+            *reinterpret_cast<half2*>(base + (size_t)row * width + j) = __floats2half2_rn(v0, v1);
+        }
+    }
+};
+
+// Writes one output row of a query head (elements j0 .. j0 + DH - 1 of row `row`) from a warp: a = sum of p * V
+// (lane: elements c*64 + 2l, +1), l = sum of p; for a quantized V, a is in the rotated domain and R/32 is applied here.
 template <int DH, bool ROTATED>
-__device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l, half* __restrict__ dst, int lane) {
+__device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l, const Out& out, int row, int j0,
+                                           int lane) {
     const float inv = 1.f / l;
 #pragma unroll
     for (int c = 0; c < (DH + 63) / 64; c++) {
@@ -376,7 +405,7 @@ __device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l,
             a[c].y = hadamard32(a[c].y, lane) * (1.f / 32.f);
         }
         const int e = c * 64 + 2 * lane;
-        if (e < DH) *reinterpret_cast<half2*>(dst + e) = __floats2half2_rn(a[c].x * inv, a[c].y * inv);
+        if (e < DH) out.put2(row, j0 + e, a[c].x * inv, a[c].y * inv);
     }
 }
 
@@ -443,7 +472,7 @@ __device__ __forceinline__ void paged_decode(
     const half* __restrict__ q, unsigned char* k_cache, unsigned char* v_cache, half* k_scales, half* v_scales,
     const NewToken& nt, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const long long* __restrict__ positions, const int* __restrict__ row_seq,
-    half* __restrict__ out, float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
+    const Out out, float* __restrict__ part_acc, float2* __restrict__ part_ml, int* __restrict__ counters,
     int n_heads, int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window,
     float cap_in, float cap_out) {
     using S = Shape<DH, K_BITS, V_BITS, KT>;
@@ -485,7 +514,7 @@ __device__ __forceinline__ void paged_decode(
         exl::pdl_wait();       // (out may still be read by an earlier kernel)
         if (split == 0)
             for (int e = tid; e < n_g * DH; e += THREADS)
-                out[((size_t)row * n_heads + head0) * DH + e] = __float2half(0.f);
+                out.put(row, head0 * DH + e, 0.f);
         return;
     }
     // the first tile holds t_first (t_first - t_lo < 32 <= KT), and every later tile starts at or after it, so each
@@ -626,7 +655,7 @@ __device__ __forceinline__ void paged_decode(
             }
         }
         if (n_used == 1) {
-            finish_row<DH, ROTATED>(a, l, out + head_row * DH, lane);
+            finish_row<DH, ROTATED>(a, l, out, row, (head0 + warp) * DH, lane);
         } else {
             float* dst = part_acc + (head_row * n_splits + split) * DH;
 #pragma unroll
@@ -676,7 +705,7 @@ __device__ __forceinline__ void paged_decode(
             }
         }
     }
-    finish_row<DH, ROTATED>(a, exl::warp_sum(l), out + head_row * DH, lane);
+    finish_row<DH, ROTATED>(a, exl::warp_sum(l), out, row, (head0 + warp) * DH, lane);
 }
 
 }  // namespace
@@ -684,23 +713,26 @@ __device__ __forceinline__ void paged_decode(
 // ---------------------------------------------------------------------------------------------- entry points
 // paged_decode_<mode>_d<DH>: modes fp16 (K, V fp16), q8 (8, 8 bits), q6 (K 8, V 4), q4 (4, 4).
 // Cache pointers are passed as bytes; unused scale pointers may be null. k, v, cos, sin, slots: the new token
-// (NewToken; k null: q is already rotated and the new key and value already in the cache).
+// (NewToken; k null: q is already rotated and the new key and value already in the cache). out_place: null, or
+// where each output element goes (Out).
 // KT: keys per warp tile. MIN_BLOCKS: blocks per SM that __launch_bounds__ asks registers for (2: at most 128 per
 // thread); the variants whose tiles need more registers (ptxas spills at 128) keep one block of 8 warps per SM.
 // The launcher reads the resident blocks per SM off the compiled kernel. The d256 variants run warp pairs (see the
 // top of the file) with the per-warp shapes, KT and register use of the d128 ones.
 #define PAGED_DECODE(MODE, DH, KB, VB, KT, MIN_BLOCKS)                                                            \
-    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) paged_decode_##MODE##_d##DH(              \
-        const half* q, unsigned char* k_cache, unsigned char* v_cache, half* k_scales, half* v_scales,          \
-        const half* k, const half* v, const half* cos, const half* sin, const long long* slots,                 \
-        const int* block_tables, const int* seq_lens, const long long* positions, const int* row_seq,           \
-        half* out, float* part_acc, float2* part_ml, int* counters, int n_heads, int n_kv_heads, int max_pages, \
-        int page_size, int n_splits, float scale_log2, int window, float cap_in, float cap_out) {               \
-        exl::pdl_trigger();  /* dependent launch (common.cuh): paged_decode waits once it has the row's keys */  \
-        paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, NewToken{k, v, cos, sin, slots},  \
-                                     block_tables, seq_lens, positions, row_seq, out, part_acc, part_ml,        \
-                                     counters, n_heads, n_kv_heads, max_pages, page_size, n_splits, scale_log2, \
-                                     window, cap_in, cap_out);                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) paged_decode_##MODE##_d##DH(                \
+        const half* q, unsigned char* k_cache, unsigned char* v_cache, half* k_scales, half* v_scales,            \
+        const half* k, const half* v, const half* cos, const half* sin, const long long* slots,                   \
+        const int* block_tables, const int* seq_lens, const long long* positions, const int* row_seq,             \
+        half* out, const int* out_place, float* part_acc, float2* part_ml, int* counters, int n_heads,            \
+        int n_kv_heads, int max_pages, int page_size, int n_splits, float scale_log2, int window, float cap_in,   \
+        float cap_out) {                                                                                          \
+        exl::pdl_trigger();  /* dependent launch (common.cuh): paged_decode waits once it has the row's keys */   \
+        paged_decode<DH, KB, VB, KT>(q, k_cache, v_cache, k_scales, v_scales, NewToken{k, v, cos, sin, slots},    \
+                                     block_tables, seq_lens, positions, row_seq,                                  \
+                                     Out{out, out_place, n_heads * DH}, part_acc, part_ml, counters, n_heads,     \
+                                     n_kv_heads, max_pages, page_size, n_splits, scale_log2, window, cap_in,      \
+                                     cap_out);                                                                    \
     }
 
 PAGED_DECODE(fp16, 16, 16, 16, 32, 2)

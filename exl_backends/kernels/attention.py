@@ -59,39 +59,46 @@ def check_cache(cache) -> None:
 
 
 def paged_attention(q: Tensor, cache, layer: int, batch, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> Tensor:
+                    softcap: float | None = None, into: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """q [T, H, Dh] fp16 of a packed batch -> [T, H, Dh] fp16, as reference.paged_attention (window: keys
-    p - window < t <= p only; softcap: scores capped to softcap * tanh(score / softcap))."""
+    p - window < t <= p only; softcap: scores capped to softcap * tanh(score / softcap)). into: (buffer, place) of
+    a quantized o projection (QuantMatmul.stored_x) for a decode batch: the output written there, in its stored
+    order, and the buffer returned."""
     if batch.page_size % PAGE_ALIGN:
         raise ValueError(f"page_size {batch.page_size} is not a multiple of {PAGE_ALIGN}")
     if q.shape[0] == batch.n_seqs:     # every sequence has (at least, so exactly) one new token: decode
-        return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap)
+        return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap, into=into)
+    if into is not None:
+        raise ValueError("paged_attention writes into an o projection's stored order for decode batches only")
     if batch.row_seq is not None and q.shape[0] <= ROW_KERNEL_MAX_NEW * batch.n_seqs:    # alike and short: verify
         return split_k(q, cache, layer, batch, batch.positions, batch.row_seq, scale, window, softcap)
     return _mixed(q, cache, layer, batch, scale, window, softcap)
 
 
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, batch,
-                   scale: float, window: int | None = None, softcap: float | None = None) -> Tensor:
+                   scale: float, window: int | None = None, softcap: float | None = None,
+                   into: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """ops.rope_attention on CUDA: RoPE on q [T, H, Dh] and k [T, Hkv, Dh] (cos, sin [T, Dh]), k and v into the
-    cache at batch.slots, then paged_attention. A decode batch whose kv heads have at most 8 query heads each (one
-    block of the kernel: no two blocks write one key) takes one launch, the kernel writing each new key and value
-    before it reads them; anything else rope_write's launch, then paged_attention."""
+    cache at batch.slots, then paged_attention (into: as there). A decode batch whose kv heads have at most 8 query
+    heads each (one block of the kernel: no two blocks write one key) takes one launch, the kernel writing each new
+    key and value before it reads them; anything else rope_write's launch, then paged_attention."""
     if q.shape[0] != batch.n_seqs or q.shape[1] // k.shape[1] > HEADS_PER_BLOCK:
         q = kv_cache.rope_write(q, k, v, cos, sin, cache, layer, batch.slots)
-        return paged_attention(q, cache, layer, batch, scale, window, softcap)
+        return paged_attention(q, cache, layer, batch, scale, window, softcap, into)
     if batch.page_size % PAGE_ALIGN:
         raise ValueError(f"page_size {batch.page_size} is not a multiple of {PAGE_ALIGN}")
     new = tuple(kv_cache.half_pairs(x) for x in (k, v, cos, sin)) + (batch.slots.to(torch.int64).contiguous(),)
-    return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap, new)
+    return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap, new, into)
 
 
 def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Tensor | None,
             scale: float, window: int | None = None, softcap: float | None = None,
-            new: tuple[Tensor, ...] | None = None) -> Tensor:
+            new: tuple[Tensor, ...] | None = None, into: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of single query rows: q [R, H, Dh] at positions [R] (int64), row r of sequence row_seq[r]
     (int32 [R]; None: r). One launch, no host reads, so CUDA-graph safe. new: the rows' new tokens (k, v, cos, sin,
-    slots) for the kernel to rotate q and k and write k and v itself (rope_attention's decode rows), q unrotated."""
+    slots) for the kernel to rotate q and k and write k and v itself (rope_attention's decode rows), q unrotated.
+    into: (buffer, place): row r's element j goes to buffer[r * H * Dh + place[j]] as attention.cu's Out says
+    (an o projection's stored order, QuantMatmul.stored_x); the buffer is returned."""
     q = aligned(q.contiguous())     # the kernel reads query rows in 16-byte pieces
     rows, n_heads, head_dim = q.shape
     n_kv = cache.config.n_kv_heads
@@ -102,7 +109,7 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
     if window is not None:      # a row reads at most its window, from a 32-aligned start
         max_keys = min(max_keys, window + PAGE_ALIGN)
     n_splits = _n_splits(kernel, rows * n_kv * head_blocks, max_keys, q.device)
-    out = torch.empty_like(q)
+    out, place = (torch.empty_like(q), None) if into is None else into
     part_acc = part_ml = counters = None
     if n_splits > 1:   # rows whose keys need several splits merge them in the kernel's last block
         part_acc = torch.empty(rows, n_heads, n_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -113,8 +120,8 @@ def split_k(q: Tensor, cache, layer: int, batch, positions: Tensor, row_seq: Ten
         launch("attention", kernel, grid=(n_splits, n_kv * head_blocks, rows),
                block=(THREADS,),
                args=(q, c.k, c.v, c.k_scales, c.v_scales, *(new or (None,) * 5), batch.block_tables,
-                     batch.seq_lens, positions, row_seq, out, part_acc, part_ml, counters, n_heads, n_kv, max_pages,
-                     batch.page_size, n_splits, scale * LOG2E, window or 0,
+                     batch.seq_lens, positions, row_seq, out, place, part_acc, part_ml, counters, n_heads, n_kv,
+                     max_pages, batch.page_size, n_splits, scale * LOG2E, window or 0,
                      scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0))
     return out
 

@@ -20,4 +20,5 @@ OPS = dict(
     moe=moe.moe,
     attention_options=frozenset({"window", "softcap"}),
     rope_attention=attention.rope_attention,
+    attention_into=True,
 )

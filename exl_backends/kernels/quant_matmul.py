@@ -529,6 +529,7 @@ class QuantMatmul:
         self.ws1: Tensor | None = None          # split partials of one-row launches, kept (made on first use)
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
+        self.places: Tensor | None = None       # stored_x's, made on first use
         self.segment = None                     # the one-row launch pair as megakernel ops
         if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
             self.segment = megakernel.OneRowMatmul(self.plans[1], self.k, -(-self.k // CHUNK // WARPS), device)
@@ -599,16 +600,36 @@ class QuantMatmul:
         if before is not PLAIN and m > ROWS_PER_PASS:     # (its tensors cover the first pass only)
             raise ValueError(f"stage_xs applies an op to at most {ROWS_PER_PASS} rows of x in one pass, got {m}")
         ys = [torch.empty(m, lay.n, dtype=torch.float16, device=x.device) for lay in self.layouts]
-        nulls = (None,) * (MAX_PARTS - len(ys))
         for m0 in range(0, m, ROWS_PER_PASS):
             rows = min(ROWS_PER_PASS, m - m0)
-            plan = self.plans[rows]
             xs, outs = (x, ys) if m0 == 0 else (x[m0:], [y[m0:] for y in ys])     # views cost host time
-            launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
-                   args=(self.plans[rows].arg(), self._stage(xs, rows, before), *outs, *nulls,
-                         self._ws(plan, rows, x.device)),
-                   shared_mem=plan.smem, cluster=plan.cluster)
+            self._launch_small(rows, self._stage(xs, rows, before), outs)
         return ys
+
+    def _launch_small(self, rows: int, staged: Tensor, ys: list[Tensor]) -> None:
+        """The small-M kernel on `rows` rows of x as stage_xs leaves them (staged), into ys."""
+        plan = self.plans[rows]
+        launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
+               args=(plan.arg(), staged, *ys, *(None,) * (MAX_PARTS - len(ys)), self._ws(plan, rows, staged.device)),
+               shared_mem=plan.smem, cluster=plan.cluster)
+
+    def stored_x(self, rows: int) -> tuple[Tensor, Tensor] | None:
+        """Where the op before may write `rows` rows of x so that forward_stored multiplies them without a stage_xs
+        launch: (buffer, place), x's element j at buffer[place[j] & 0x7fffffff], times 2^-4 where bit 31 is set, as
+        stage_xs stages it (attention.cu's Out does). One row of one weight outside a megakernel chain; else None
+        (the staged x of more rows is padded and has corrections, a chain stages in its own ops)."""
+        if rows != 1 or len(self.layouts) != 1 or (self.segment is not None and megakernel.active() is not None):
+            return None
+        device = self.layouts[0].words.device
+        if self.places is None:
+            self.places = stored_places(self.layouts[0])
+        return self._stage_buffer(1, device), self.places
+
+    def forward_stored(self, staged: Tensor) -> Tensor:
+        """The one weight's y [1, n] from one row of x written where stored_x said."""
+        y = torch.empty(1, self.layouts[0].n, dtype=torch.float16, device=staged.device)
+        self._launch_small(1, staged, [y])
+        return y
 
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:
         """The buffer stage_xs writes `rows` rows of x into (kept from call to call, one per rows class): each part's
@@ -696,6 +717,18 @@ class QuantMatmul:
     def dequantize(self, i: int = 0) -> Tensor:
         """Weight i in fp16 [N, K] as the large-M path uses it."""
         return self._dequant(i)[:, :self.layouts[i].n].T.contiguous()
+
+
+def stored_places(lay: LaneLayout) -> Tensor:
+    """int32 [K]: where stage_xs puts x's element j in one staged row, its stored row k (perm[k] = j), with bit 31
+    set where it scales it by 2^-4 (row_scale in qmm_rows.cuh: rows with (k >> 1) & 1 of 4-bit chunks)."""
+    device = lay.words.device
+    k = torch.arange(lay.k, device=device)
+    bits = torch.tensor(lay.chunk_bits, device=device).repeat_interleave(CHUNK)
+    scaled = (bits == 4) & (k >> 1 & 1).bool()
+    places = torch.empty_like(k)
+    places[k if lay.perm is None else lay.perm.long()] = k - (scaled.long() << 31)     # bit 31 as int32's sign
+    return places.to(torch.int32)
 
 
 def layout_for(weight: Exl2Weight | GptqWeight, device: torch.device | None = None) -> LaneLayout:

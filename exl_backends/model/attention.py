@@ -25,7 +25,25 @@ class Attention:
                         if value is not None}
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
-        return self.o(self.rope_attend(self.qkv(x), batch, cache, cos, sin, ops))
+        return self.attend_project(self.qkv(x), batch, cache, cos, sin, ops)
+
+    def attend_project(self, qkv: list[Tensor], batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor,
+                       ops: Ops) -> Tensor:
+        """The outputs of self.qkv [T, *] -> the o projection's output [T, D]: rope_attend, then o. A decode row
+        whose o can read the attention's output as it is written (o_input) takes one launch less."""
+        into = self.o_input(qkv[0].shape[0], ops)
+        if into is None:
+            return self.o(self.rope_attend(qkv, batch, cache, cos, sin, ops))
+        q, k, v = self.heads(qkv, ops)
+        ops.rope_attend(q, k, v, cos, sin, cache, self.layer, batch, self.scale, into=into, **self.options)
+        return self.o.kernel.forward_stored(into[0])
+
+    def o_input(self, rows: int, ops: Ops) -> tuple[Tensor, Tensor] | None:
+        """Where the attention of a decode row can write its output for a quantized o projection to read it as is,
+        without a launch that stages it (QuantMatmul.stored_x); None where the ops or o cannot."""
+        if not ops.attention_into or not isinstance(self.o, QuantLinear) or self.o.kernel is None:
+            return None
+        return self.o.kernel.stored_x(rows)
 
     def rope_attend(self, qkv: list[Tensor], batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor,
                     ops: Ops) -> Tensor:

@@ -177,8 +177,8 @@ class Model:
         for i in stage.layers:
             block = self.blocks[i]
             qkv, residual = self.qkv(i, h, residual)
-            attn = block.attention.rope_attend(qkv, batch, cache, *ropes[block.local_rope], self.ops)
-            h, residual = self.after_attention(i, attn, residual)
+            a = block.attention.attend_project(qkv, batch, cache, *ropes[block.local_rope], self.ops)
+            h, residual = self.after_o(i, a, residual)
         megakernel.flush()                      # (inside megakernel.chaining: the last block's matmuls)
         if k + 1 < len(self.stages):
             return h, residual
@@ -219,8 +219,11 @@ class Model:
     def after_attention(self, i: int, attn: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """Block i from its attention output [T, H * Dh] on: the stream (h, residual) after it, h the MLP's output.
         Row by row: no row depends on another."""
+        return self.after_o(i, self.blocks[i].attention.o(attn), residual)
+
+    def after_o(self, i: int, a: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """Block i from its o projection's output a [T, D] on, as after_attention."""
         ops, eps, block = self.ops, self.config.rms_norm_eps, self.blocks[i]
-        a = block.attention.o(attn)
         if block.attn_out_norm is not None:
             a = ops.rmsnorm(a, block.attn_out_norm, eps)
         m, residual = block.mlp.after_norm(a, residual, block.post_attn_norm, eps, ops)

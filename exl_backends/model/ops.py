@@ -36,6 +36,9 @@ class Ops:
     attention_options: frozenset[str] = frozenset()   # paged_attention's optional keywords: "window", "softcap"
     # rope_attend in one op (the CUDA bundle's: a decode batch in one launch); None: rope_write, then paged_attention
     rope_attention: Callable | None = None
+    # whether rope_attend takes into=(buffer, place): a decode row's output written where and as a quantized o
+    # projection reads it (QuantMatmul.stored_x), so that o needs no launch to stage it (the CUDA bundle)
+    attention_into: bool = False
 
     def rope_attend(self, q, k, v, cos, sin, cache, layer: int, batch, scale: float, **options):
         """The attention of a block's new tokens from their projections q [T, H, Dh], k and v [T, Hkv, Dh]:

@@ -136,6 +136,24 @@ def test_an_exl2_layout_for_another_device_reads_nothing_back_from_it():
     assert QuantLinear(w, None, "cpu").kernel is None          # the CPU path keeps the packed weight
 
 
+@pytest.mark.parametrize("mix", ["0.05:8b_32g/0.95:4b_128g", "0.1:6b_32g/0.9:3b_64g"])
+def test_stored_places_put_x_where_stage_xs_puts_it(mix):
+    """QuantMatmul.stored_x's places (where the op before writes one row of x for the one-row kernel) give
+    stage_xs's staged row: stored row k holds x[perm[k]], times 2^-4 on 4-bit chunks' rows with (k >> 1) & 1."""
+    w = synthetic.random_exl2(416, 96, mix, seed=7)
+    lay = qm.exl2_layout(w)
+    assert lay.perm is not None                                # act-order: the places are not the identity
+    x = torch.randn(lay.k, generator=torch.Generator().manual_seed(1)).half()
+    places = qm.stored_places(lay).long()
+    staged = torch.zeros(lay.k, dtype=torch.float16)
+    staged[places & 0x7FFFFFFF] = torch.where(places < 0, x.float() * 0.0625, x.float()).half()
+    k = torch.arange(lay.k)
+    bits = torch.tensor(lay.chunk_bits).repeat_interleave(32)
+    scale = torch.where((bits == 4) & (k >> 1 & 1).bool(), 0.0625, 1.0)
+    assert torch.equal(staged, (x[lay.perm.long()].float() * scale).half())
+    assert (places < 0).any() == (4 in lay.chunk_bits)
+
+
 def test_exl2_lane_layout_of_a_real_exllamav2_checkpoint():
     store = TensorStore(EXL2_FIXTURE)
     for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "model.layers.1.self_attn.q_proj": (256, 256),
