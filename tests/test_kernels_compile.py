@@ -130,11 +130,12 @@ def test_sass_loops_reads_a_listing():
 
 
 def test_sass_loops_counts_the_one_row_matmul():
-    """The loader's compile of matmul_rows.cu, disassembled: exl2_matmul_m1's 4-bit batch (3 chunks of 4 MMAs) is
-    one loop of 12 HMMA, and CuPy's short cubin image is made whole (nvdisasm reads it)."""
+    """The loader's compile of matmul_rows.cu, disassembled: exl2_matmul_m1's 4-bit batch (3 chunks of 4 MMAs and
+    the 2 that sum the corrections) is one loop of 18 HMMA, and CuPy's short cubin image is made whole (nvdisasm
+    reads it)."""
     nvrtc_or_skip()
     if sass_loops.nvdisasm() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     funcs = sass_loops.functions(sass_loops.disassemble(sass_loops.compile_cubin("matmul_rows")))
-    batches = [lp for lp in sass_loops.loops(funcs["exl2_matmul_m1"]) if lp.opcodes["HMMA"] == 12]
+    batches = [lp for lp in sass_loops.loops(funcs["exl2_matmul_m1"]) if lp.opcodes["HMMA"] == 18]
     assert len(batches) == 1 and batches[0].opcodes["LDG"] >= 3, batches
