@@ -4,18 +4,19 @@
 // MATMUL KERNELS  <fmt>_matmul_m1 / _m8 / _m16 (M = rows of x: 1, <= 8, <= 16), each after stage_xs
 //   stage_xs writes x (or the gated MLP's silu(x) * up) once per launch as the matmul reads it: each part's R = 1, 8 or
 //   16 rows (rows past M repeat row M - 1) in stored order (x' = x * 2^-i for FOLDED rows), then (R > 1) each chunk's
-//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths; m1 sums them itself). Grid (sum of the parts' blocks), block
-//   S = 8 or 7 warps, one a strip, dynamic shared memory: the split's chunk_meta entries. The launcher sizes the grid
-//   to one wave of resident blocks where it can. A warp first prefetches into L2 the start of its weight span
-//   (PREFETCH_BYTES) and all group records of its range, and the block stages its chunk_meta entries: all from the
-//   parameters, so this overlaps the kernel before (dependent launch, common.cuh). After pdl_wait, warp w walks the
-//   chunks of strip S bx + w in batches (each batch prefetches into L2 the span PREFETCH_BYTES ahead, so DRAM reads are
-//   in flight without holding registers), loading with each chunk's words its B fragments of x and (m8, m16) its
-//   corrections (L2): per chunk each lane decodes its 32 codes into 16 half2 values (code - z; FOLDED: 1024 + code * 2^i) and
-//   issues m16n8k16 MMAs with A = 16 columns x 16 rows of them, B = 16 rows x 8 rows of x, C = fp32 partial of the
-//   current group. At each group change the partial (minus the FOLDED corrections) is scaled by the group's per-column
-//   scale (fp32) and added to the accumulator, so results are exact products accumulated in fp32 (FOLDED: up to the
-//   fp32 rounding of the larger sums). The EXL2 scale is computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
+//   corrections per row (float2 (sum_r 1024 x'_r, sum_r x_r) for FOLDED widths; m1 sums them itself). Grid (sum of
+//   the parts' blocks), block S = 8 or 7 warps, one a strip, dynamic shared memory: the split's chunk_meta entries.
+//   The launcher sizes the grid to one wave of resident blocks where it can. A warp first prefetches into L2 the start
+//   of its weight span (PREFETCH_BYTES) and all group records of its range, and the block stages its chunk_meta
+//   entries: all from the parameters, so this overlaps the kernel before (dependent launch, common.cuh). After
+//   pdl_wait, warp w walks the chunks of strip S bx + w in batches (each batch prefetches into L2 the span
+//   PREFETCH_BYTES ahead, so DRAM reads are in flight without holding registers), loading with each chunk's words its
+//   B fragments of x and (m8, m16) its corrections (L2): per chunk each lane decodes its 32 codes into 16 half2
+//   values (code - z; FOLDED: 1024 + code * 2^i) and issues m16n8k16 MMAs with A = 16 columns x 16 rows of them,
+//   B = 16 rows x 8 rows of x, C = fp32 partial of the current group. At each group change the partial (minus the
+//   FOLDED corrections) is scaled by the group's per-column scale (fp32) and added to the accumulator, so results are
+//   exact products accumulated in fp32 (FOLDED: up to the fp32 rounding of the larger sums). The EXL2 scale is
+//   computed exactly as fp16((c + 1)^2 * fp16(q_scale_max*2^-8)).
 //   (docs/decode-matmul.md: a per-block prologue that gathered x into shared memory was ~35 % of the M1 warps' time.)
 //   The MoE kernels stage x per block instead (matmul_part: x gather and corrections in shared memory after
 //   pdl_wait; the perm reads of the gather's first round before it), since each block serves its expert's rows.
