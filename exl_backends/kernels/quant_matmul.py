@@ -633,7 +633,8 @@ class QuantMatmul:
 
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:
         """The buffer stage_xs writes `rows` rows of x into (kept from call to call, one per rows class): each part's
-        rows_class(rows) rows in stored order, then their corrections."""
+        rows_class(rows) rows in stored order, then their corrections (written and read for more than one row only:
+        one row's matmul sums its corrections itself)."""
         k, parts, cls = self.k, len(self.layouts), rows_class(rows)
         buf = self.staged.get(cls)
         if buf is None:
