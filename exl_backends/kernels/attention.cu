@@ -387,9 +387,19 @@ struct Out {
         if (place && 32 * tid < n * dh)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(place + head0 * dh + 32 * tid));
     }
-    __device__ __forceinline__ void put2(int row, int j, float v0, float v1) const {
+    // The places of a lane's elements of a head's row (elements j0 + c * 64 + 2 lane, + 1), loaded well before
+    // finish_row needs them (after the key loop, ahead of the slots' merge): read there, their L2 round trip was
+    // on the launch's last path. Zeros without places.
+    template <int DH>
+    __device__ __forceinline__ void places(int j0, int lane, int2 (&at)[(DH + 63) / 64]) const {
+#pragma unroll
+        for (int c = 0; c < (DH + 63) / 64; c++) {
+            const int e = c * 64 + 2 * lane;
+            at[c] = place && e < DH ? __ldg(reinterpret_cast<const int2*>(place + j0 + e)) : make_int2(0, 0);
+        }
+    }
+    __device__ __forceinline__ void put2(int row, int j, int2 at, float v0, float v1) const {
         if (place) {
-            const int2 at = __ldg(reinterpret_cast<const int2*>(place + j));     // (j even)
             put_at(row, at.x, v0);
             put_at(row, at.y, v1);
         } else {
@@ -398,11 +408,12 @@ struct Out {
     }
 };
 
-// Writes one output row of a query head (elements j0 .. j0 + DH - 1 of row `row`) from a warp: a = sum of p * V
-// (lane: elements c*64 + 2l, +1), l = sum of p; for a quantized V, a is in the rotated domain and R/32 is applied here.
+// Writes one output row of a query head (elements j0 .. j0 + DH - 1 of row `row`, at: their places, Out::places)
+// from a warp: a = sum of p * V (lane: elements c*64 + 2l, +1), l = sum of p; for a quantized V, a is in the rotated
+// domain and R/32 is applied here.
 template <int DH, bool ROTATED>
 __device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l, const Out& out, int row, int j0,
-                                           int lane) {
+                                           const int2 (&at)[(DH + 63) / 64], int lane) {
     const float inv = 1.f / l;
 #pragma unroll
     for (int c = 0; c < (DH + 63) / 64; c++) {
@@ -411,7 +422,7 @@ __device__ __forceinline__ void finish_row(float2 (&a)[(DH + 63) / 64], float l,
             a[c].y = hadamard32(a[c].y, lane) * (1.f / 32.f);
         }
         const int e = c * 64 + 2 * lane;
-        if (e < DH) out.put2(row, j0 + e, a[c].x * inv, a[c].y * inv);
+        if (e < DH) out.put2(row, j0 + e, at[c], a[c].x * inv, a[c].y * inv);
     }
 }
 
@@ -625,6 +636,8 @@ __device__ __forceinline__ void paged_decode(
 
     // merge the tile slots: each writes its state (the warps of a pair hold the same m and l, and their own dims);
     // warp h then takes query head h
+    int2 at[S::CHUNKS];
+    if (warp < n_g) out.places<DH>((head0 + warp) * DH, lane, at);
 #pragma unroll
     for (int h = 0; h < 2; h++) st.l[h] = column_sum(st.l[h]);
     __syncthreads();   // every warp is done with its P tile and scores (aliased by acc)
@@ -662,7 +675,7 @@ __device__ __forceinline__ void paged_decode(
             }
         }
         if (n_used == 1) {
-            finish_row<DH, ROTATED>(a, l, out, row, (head0 + warp) * DH, lane);
+            finish_row<DH, ROTATED>(a, l, out, row, (head0 + warp) * DH, at, lane);
         } else {
             float* dst = part_acc + (head_row * n_splits + split) * DH;
 #pragma unroll
@@ -712,7 +725,7 @@ __device__ __forceinline__ void paged_decode(
             }
         }
     }
-    finish_row<DH, ROTATED>(a, exl::warp_sum(l), out, row, (head0 + warp) * DH, lane);
+    finish_row<DH, ROTATED>(a, exl::warp_sum(l), out, row, (head0 + warp) * DH, at, lane);
 }
 
 }  // namespace
