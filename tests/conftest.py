@@ -65,3 +65,12 @@ def save_tiny(directory: Path, config, seed: int = 0, dtype=torch.float32):
 def tiny_llama(tmp_path):
     model = save_tiny(tmp_path, tiny_config("llama"))
     return tmp_path, model
+
+
+def unlink_norms(model) -> None:
+    """The model without its stage-free norms (Model.link_norms): every norm staged by its own stage_xs, the bits of
+    the path the megakernel's segments and the fixtures' bit-for-bit tests compare against."""
+    for unit in model.linears():
+        kernel = getattr(unit, "kernel", None)
+        if kernel is not None:
+            kernel.feeding = kernel.fed_by = None

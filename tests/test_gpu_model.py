@@ -13,7 +13,7 @@ from exl_backends import ExlForCausalLM, Generator
 from exl_backends.formats.exl2_writer import linear_tensors
 from exl_backends.formats.synthetic import random_exl2
 
-from conftest import FIXTURES, TOKENIZER_DIR
+from conftest import FIXTURES, TOKENIZER_DIR, unlink_norms
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -80,6 +80,7 @@ def test_decode_attention_writes_the_o_projections_input_as_it_reads_it(cache_mo
     prompt = torch.randint(1, 500, (context,), generator=torch.Generator().manual_seed(5)).tolist()
     model.forward(Batch.build([SeqChunk(prompt, 0, pages)], 256, "cuda"), cache)
     step = Batch.build([SeqChunk([17], context, pages)], 256, "cuda")
+    unlink_norms(model)             # (o feeding the MLP's norm: test_a_decode_rows_launches_do_the_norms_between_them)
     stored = []
     forward_stored = qm.QuantMatmul.forward_stored
     monkeypatch.setattr(qm.QuantMatmul, "forward_stored", lambda self, x: stored.append(x) or forward_stored(self, x))
@@ -88,6 +89,37 @@ def test_decode_attention_writes_the_o_projections_input_as_it_reads_it(cache_mo
     monkeypatch.setattr(model, "ops", dataclasses.replace(model.ops, attention_into=False))
     staged = model.forward(step, cache)
     assert len(stored) == model.config.n_layers and torch.equal(direct, staged)
+
+
+@pytest.mark.parametrize("path", ["exl2/llama_tiny_exl2_4.0bpw_h6", "exl2/qwen2_tiny_exl2_4.0bpw_h6",
+                                  "exl2/llama_tiny_exl2_2.5bpw_h6", "gptq/llama_tiny_gptq4_g64"])
+def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
+    """A decode row's o and down leave the next norm's x in place (Model.link_norms, QuantMatmul.forward_feeding):
+    no stage_xs launch for the MLP's norm nor for the next block's but the first's; the logits are the staged
+    path's within fp16 rounding (the norm's scale after the matmul), its greedy token too, in eager steps and in a
+    graph's replays."""
+    from exl_backends.kernels import quant_matmul as qm
+    from exl_backends.model.batch import Batch, SeqChunk
+    from exl_backends.model.cache import KVCache
+    from exl_backends.model.runner import Runner
+    model = ExlForCausalLM.from_pretrained(FIXTURES / path, device="cuda", max_seq_len=512).model
+    cache = KVCache(model.config, 4, 256, "fp16", "cuda", torch.float16)
+    pages = cache.pool.allocate(2)
+    prompt = torch.randint(1, 500, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    model.forward(Batch.build([SeqChunk(prompt, 0, pages)], 256, "cuda"), cache)
+    step = Batch.build([SeqChunk([17], len(prompt), pages)], 256, "cuda")
+    staged_launches = []
+    stage = qm.QuantMatmul._stage
+    monkeypatch.setattr(qm.QuantMatmul, "_stage", lambda self, *a: staged_launches.append(a[2]) or stage(self, *a))
+    fed = model.forward(step, cache)
+    normed = [before for before in staged_launches if before[2] is not None]      # stage_xs with a norm weight
+    head = getattr(model.lm_head, "kernel", None) is not None
+    assert len(normed) == 1 and len(staged_launches) == 1 + model.config.n_layers + head   # the downs', the head's
+    replayed = Runner(model, cache, max_batch=1, max_pages=2, eager=False)
+    assert all(torch.equal(replayed.forward(step), fed) for _ in range(2))
+    unlink_norms(model)
+    staged = model.forward(step, cache)
+    assert torch.isfinite(fed).all() and rel(fed, staged) < 2e-3 and torch.equal(fed.argmax(-1), staged.argmax(-1))
 
 
 @pytest.mark.parametrize("cache_mode", ["fp16", "q4"])

@@ -16,13 +16,25 @@
         qmm::matmul<FMT, N8, M1>(p, x, y0, y1, y2, ws, blockIdx.x, blockDim.x / 32);                                  \
     }
 
+// One row: the chain says what the launch's last act is besides y (qmm_rows.cuh STAGE-FREE NORM; all null: y).
+#define QMM_MATMUL_M1(NAME, FMT)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(qmm::THREADS, QMM_M1_BLOCKS)                                          \
+    NAME(const __grid_constant__ qmm::Params p, const half* x, half* y0, half* y1, half* y2, float* ws,              \
+         const __grid_constant__ qmm::Chain chain)                                                                     \
+    {                                                                                                                  \
+        exl::pdl_trigger();                                                                                           \
+        const bool chained = chain.x || chain.sums_in;                                                               \
+        qmm::matmul<FMT, 1, true>(p, x, y0, y1, y2, ws, blockIdx.x, blockDim.x / 32, qmm::PdlWait(),                 \
+                                  chained ? &chain : nullptr);                                                         \
+    }
+
 #ifndef QMM_M1_BLOCKS
 #define QMM_M1_BLOCKS 2
 #endif
-QMM_MATMUL(exl2_matmul_m1, qmm::Exl2, 1, true, QMM_M1_BLOCKS)
+QMM_MATMUL_M1(exl2_matmul_m1, qmm::Exl2)
 QMM_MATMUL(exl2_matmul_m8, qmm::Exl2, 1, false, 1)
 QMM_MATMUL(exl2_matmul_m16, qmm::Exl2, 2, false, 1)
-QMM_MATMUL(gptq_matmul_m1, qmm::Gptq, 1, true, QMM_M1_BLOCKS)
+QMM_MATMUL_M1(gptq_matmul_m1, qmm::Gptq)
 QMM_MATMUL(gptq_matmul_m8, qmm::Gptq, 1, false, 1)
 QMM_MATMUL(gptq_matmul_m16, qmm::Gptq, 2, false, 1)
 

@@ -86,6 +86,21 @@ struct Params {
     int ring_smem;               // GEMM: byte offset of the x ring in dynamic shared memory
 };
 
+// A one-row launch's last act besides y (qmm_rows.cuh STAGE-FREE NORM; all null: y alone). quant_matmul.CHAIN_DTYPE
+// mirrors it.
+struct Chain {
+    half* x;                         // producer (non-null): the consumer's stage buffer, part i's row at x + i * N
+    const int* places[MAX_PARTS];    // producer: the consumer's parts' places
+    const half* residual;            // producer: the stream's residual [N]
+    half* new_residual;              // producer: r [N]
+    const half* w;                   // producer: w' [N]
+    float* sums;                     // producer: [N / 32]
+    const float* sums_in;            // consumer (non-null): the producer's sums, [dim / 32]
+    float eps, unscale;              // consumer: the norm's epsilon, 2^e
+    int n_places;                    // producer: the consumer's parts
+    int dim;                         // consumer: K (the norm's dimension)
+};
+
 EXL_HD constexpr int width_of(int i) { return i == 0 ? 8 : i == 1 ? 6 : i == 2 ? 5 : i == 3 ? 4 : i == 4 ? 3 : 2; }
 
 // The part of block b (parts are laid out in block order).

@@ -405,14 +405,90 @@ __device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int s
             }
 }
 
+// STAGE-FREE NORM (one row; docs/megakernel.md "The norm stages"): the add + RMSNorm between two one-row launches
+//   done at their two ends instead of by a stage_xs launch between them. The producer (o, down: one part of N
+//   columns) writes no y: the lane that finishes column col forms the stream's new residual
+//   r = fp16(fp16(y + bias) + residual) (norm.cuh add_residual, as add_rmsnorm), writes it to new_residual, writes the
+//   next launch's x unnormalised, fp16(r * w') with w' = w * 2^-e (the norm's weight scaled so that |w'| <= 1, so
+//   r * w' cannot overflow), into each of the consumer's parts as stage_xs would stage it (element col to
+//   x[i * N + (place & 0x7fffffff)], times 2^-4 where bit 31 is set: QuantMatmul.stored_x), and its strip's sum of
+//   r^2 (fp32, the 32 lanes by a fixed tree) to sums[strip]. The consumer (q/k/v, gate/up) multiplies each output
+//   by 2^e / rms before its bias, rms from the N / 32 sums added in one fixed order by every finishing warp:
+//   W (r w') 2^e / rms = W (r w / rms), the staged path's result up to rounding (the norm's scale comes after the
+//   matmul, once, instead of before it). The loads of the columns' ends are L2 prefetched ahead (prefetch_end):
+//   the kernel has no registers to hold them through the walk. The Chain struct is in qmm.cuh, with Params.
+
+// Warp-wide sum by a fixed tree: the same bits in every lane and every warp.
+__device__ __forceinline__ float warp_sum(float v)
+{
+    for (int span = 16; span >= 1; span /= 2) v += __shfl_xor_sync(FULL_MASK, v, span);
+    return v;
+}
+
+// Into L2 ahead of the end: before the wait (after: false) the weights' own lines (w', places), after it
+// (after: true) the lines earlier kernels wrote (the residual, the sums). Lane 0 of each working warp.
+__device__ __forceinline__ void prefetch_end(const Chain* ch, int strip, bool after)
+{
+    if (!ch || threadIdx.x % 32) return;
+    const int c0 = strip * 32;
+    if (ch->x && !after) {
+        prefetch_l2(ch->w + c0);
+        for (int i = 0; i < ch->n_places; ++i) prefetch_l2(ch->places[i] + c0);
+    } else if (ch->x) {
+        prefetch_l2(ch->residual + c0);
+    } else if (ch->sums_in && after) {
+        for (int j = 0; j < ch->dim / 32; j += 32) prefetch_l2(ch->sums_in + j);
+    }
+}
+
+// Column strip * 32 + lane of a one-row launch, its sum over K (v, every split's) in hand: y = fp16(v + bias), or
+// as ch says (STAGE-FREE NORM). Every lane of the warp calls it.
+__device__ __forceinline__ void end_column(const Chain* ch, const Part& pt, int strip, float v, half* y)
+{
+    const int col = strip * 32 + (int)threadIdx.x % 32;
+    const bool in = col < pt.n;
+    if (ch && ch->sums_in) {
+        float sq = 0.f;
+        for (int j = threadIdx.x % 32; j < ch->dim / 32; j += 32) sq += ch->sums_in[j];
+        v *= ch->unscale * inverse_rms(warp_sum(sq), ch->dim, ch->eps);
+    }
+    const half h = __float2half_rn(v + (in ? bias_at(pt.bias, col) : 0.f));
+    if (!ch || !ch->x) {
+        if (in) y[col] = h;
+        return;
+    }
+    float sq = 0.f;
+    if (in) {
+        const half r = add_residual(h, ch->residual[col]);
+        ch->new_residual[col] = r;
+        const float rw = __half2float(r) * __half2float(ch->w[col]);       // exact in fp32 (11-bit significands)
+        for (int i = 0; i < ch->n_places; ++i) {
+            const int place = ch->places[i][col];
+            ch->x[(size_t)i * pt.n + (place & 0x7fffffff)] = __float2half_rn(place < 0 ? rw * 0.0625f : rw);
+        }
+        sq = __half2float(r) * __half2float(r);
+    }
+    sq = warp_sum(sq);
+    if (threadIdx.x % 32 == 0) ch->sums[strip] = sq;
+}
+
 // The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
 // warp to arrive reduces them.
 template <int N8, bool M1>
 __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
-                                       half* y, float* ws, int ws_rows, int* counters, const Stamps& stamps = {})
+                                       half* y, float* ws, int ws_rows, int* counters, const Stamps& stamps = {},
+                                       const Chain* ch = nullptr)
 {
     const int lane = threadIdx.x % 32;
     const int N = pt.n, Np = pt.np;
+    if (M1 && ch && pt.n_splits == 1) {          // lane l takes column l from the lane (4 (l % 8)) that holds it
+        const int from = 4 * (lane % 8);       // column 16 t + 8 h + g: acc[t][0][2 h] of lane 4 g
+        const float v00 = __shfl_sync(FULL_MASK, acc[0][0][0], from), v02 = __shfl_sync(FULL_MASK, acc[0][0][2], from);
+        const float v10 = __shfl_sync(FULL_MASK, acc[1][0][0], from), v12 = __shfl_sync(FULL_MASK, acc[1][0][2], from);
+        const bool h = lane % 16 >= 8;
+        end_column(ch, pt, strip, lane < 16 ? (h ? v02 : v00) : (h ? v12 : v10), y);
+        return;
+    }
     if (pt.n_splits == 1) {
         for_each_acc<N8, M1>(acc, strip, M, [&](float v, int m, int col) {
             if (col < N) y[(size_t)m * N + col] = __float2half_rn(v + bias_at(pt.bias, col));
@@ -429,9 +505,15 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
     if (done != pt.n_splits - 1) return;
     stamps.summed();
     __syncwarp();                                // the last warp of the strip: every other split's partial is in
-    if constexpr (M1)
-        reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
-    else
+    if constexpr (M1) {
+        if (ch) {
+            float sum = 0.f;                     // reduce_splits' order: split 0 first
+            for (int s = 0; s < pt.n_splits; ++s) sum += __ldcg(ws + (size_t)s * ws_rows * Np + strip * 32 + lane);
+            end_column(ch, pt, strip, sum, y);
+        } else {
+            reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
+        }
+    } else
         reduce_splits<REDUCE_ROWS, REDUCE_LOADS / 2>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
     if (lane == 0) counters[strip] = 0;
 }
@@ -538,7 +620,7 @@ __device__ __forceinline__ float cluster_load(const float* v, unsigned rank)
 // strip `warp`, the barrier (CLUSTER SUMS). Every warp of every block calls it (idle warps with idle = true).
 template <int N8>
 __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], const Part& pt, int strip, half* y,
-                                               unsigned C, bool idle)
+                                               unsigned C, bool idle, const Chain* ch = nullptr)
 {
     __shared__ float sums_s[WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -549,8 +631,7 @@ __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], con
     if (!idle && warp % C == cluster_rank()) {
         float sum = 0.f;                             // reduce_splits' order: split 0 first
         for (unsigned s = 0; s < C; ++s) sum += cluster_load(&sums_s[warp][lane], s);
-        const int col = strip * 32 + lane;
-        if (col < pt.n) y[col] = __float2half_rn(sum + bias_at(pt.bias, col));
+        end_column(ch, pt, strip, sum, y);
     }
     __syncwarp();
     cluster_barrier();
@@ -564,7 +645,7 @@ __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], con
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters,
-                                                   int strips_per_block, const Wait& wait)
+                                                   int strips_per_block, const Wait& wait, const Chain* ch = nullptr)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
@@ -579,6 +660,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     if (mine) {
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
+        prefetch_end(ch, strip, false);
     }
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
@@ -589,6 +671,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     }
     wait();                                            // x (stage_xs's), ws and the counters
     stamps.at(1);
+    prefetch_end(ch, strip, true);
     MatmulSink<Fmt, N8, M1, true> sink;
     const int g = lane / 4, q = lane % 4;
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
@@ -599,12 +682,12 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     stamps.at(2);
     if constexpr (M1 && Fmt::CLUSTERS)
         if (C > 1) {
-            cluster_finish<N8>(sink.acc, pt, strip, y, C, false);
+            cluster_finish<N8>(sink.acc, pt, strip, y, C, false, ch);
             stamps.at(3);
             stamps.emit(1, p.n_parts, p.K, local);
             return;
         }
-    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps);
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps, ch);
     stamps.at(3);
     stamps.emit(1, p.n_parts, p.K, local);
 }
@@ -614,7 +697,8 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
 // 2) staged rows: the parts' x in stored order [n_parts][R][K], then their corrections [n_parts][K / 32][R] as float2.
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
-                                       int b, int strips_per_block, const Wait& wait = Wait())
+                                       int b, int strips_per_block, const Wait& wait = Wait(),
+                                       const Chain* ch = nullptr)
 {
     constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, b);
@@ -623,7 +707,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
     const float2* corr =
         reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
     matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
-                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait);
+                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait, ch);
 }
 
 // x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,

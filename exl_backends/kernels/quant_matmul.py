@@ -19,6 +19,7 @@ chosen per call from the number of rows alone."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -113,6 +114,12 @@ PARAMS_DTYPE = np.dtype([("part", PART_DTYPE, (MAX_PARTS,)), ("n_parts", np.int3
                          ("K", np.int32), ("xs_stride", np.int32), ("meta_smem", np.int32),
                          ("corr_smem", np.int32), ("row_groups", np.int32), ("m_tiles", np.int32),
                          ("ring_smem", np.int32)], align=True)
+# qmm.cuh's Chain: what a one-row launch does at its end besides y (qmm_rows.cuh STAGE-FREE NORM; zeros: y alone)
+CHAIN_DTYPE = np.dtype([("x", np.uint64), ("places", np.uint64, (MAX_PARTS,)), ("residual", np.uint64),
+                        ("new_residual", np.uint64), ("w", np.uint64), ("sums", np.uint64), ("sums_in", np.uint64),
+                        ("eps", np.float32), ("unscale", np.float32), ("n_places", np.int32), ("dim", np.int32)],
+                       align=True)
+NO_CHAIN = np.zeros((), CHAIN_DTYPE)
 
 
 # ----------------------------------------------------------------------------------------------- lane layout
@@ -530,6 +537,10 @@ class QuantMatmul:
         self.k = layouts[0].k
         self.staged: dict[int, Tensor] = {}     # x staged for the small-M kernels (_stage), per rows class, kept
         self.places: Tensor | None = None       # stored_x's, made on first use
+        # the stage-free norms a model linked (Model.link_norms): the one after this launch's one weight, the one in
+        # front of this launch
+        self.feeding: NormFeed | None = None
+        self.fed_by: NormFeed | None = None
         self.segment = None                     # the one-row launch pair as megakernel ops
         if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
             self.segment = megakernel.OneRowMatmul(self.plans[1], self.k, -(-self.k // CHUNK // WARPS), device)
@@ -606,12 +617,13 @@ class QuantMatmul:
             self._launch_small(rows, self._stage(xs, rows, before), outs)
         return ys
 
-    def _launch_small(self, rows: int, staged: Tensor, ys: list[Tensor]) -> None:
-        """The small-M kernel on `rows` rows of x as stage_xs leaves them (staged), into ys."""
+    def _launch_small(self, rows: int, staged: Tensor, ys: list[Tensor | None], chain: np.ndarray = NO_CHAIN) -> None:
+        """The small-M kernel on `rows` rows of x as stage_xs leaves them (staged), into ys; one row's launch ends as
+        `chain` says (NO_CHAIN: ys alone)."""
         plan = self.plans[rows]
+        args = (plan.arg(), staged, *ys, *(None,) * (MAX_PARTS - len(ys)), self._ws(plan, rows, staged.device))
         launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
-               args=(plan.arg(), staged, *ys, *(None,) * (MAX_PARTS - len(ys)), self._ws(plan, rows, staged.device)),
-               shared_mem=plan.smem, cluster=plan.cluster)
+               args=args + ((chain,) if rows == 1 else ()), shared_mem=plan.smem, cluster=plan.cluster)
 
     def stored_x(self, rows: int) -> tuple[Tensor, Tensor] | None:
         """Where the op before may write `rows` rows of x so that forward_stored multiplies them without a stage_xs
@@ -630,6 +642,58 @@ class QuantMatmul:
         y = torch.empty(1, self.layouts[0].n, dtype=torch.float16, device=staged.device)
         self._launch_small(1, staged, [y])
         return y
+
+    def norm_feed(self, w: Tensor, eps: float) -> NormFeed | None:
+        """Where the one-row launch before this one may leave its x with the norm in front of it (weight w, epsilon
+        eps) half done, so that no launch stages it (NormFeed). Made once, when a model is linked (it reads w's
+        largest magnitude on the host); None where this launch cannot take it (a GPTQ or EXL2 one-row launch can)."""
+        k = self.k
+        if w.shape != (k,) or w.dtype != torch.float16 or w.device != self.layouts[0].words.device:
+            return None
+        device = self.layouts[0].words.device
+        e = max(0, math.ceil(math.log2(max(float(w.abs().max()), 2.0 ** -14))))    # |w * 2^-e| <= 1
+        places = torch.stack([stored_places(lay) for lay in self.layouts])
+        staged, sums = self._stage_buffer(1, device), torch.empty(k // STRIP, dtype=torch.float32, device=device)
+        scaled = (w.float() * 2.0 ** -e).half().contiguous()
+        producer, consumer = np.zeros((), CHAIN_DTYPE), np.zeros((), CHAIN_DTYPE)     # (made once: host time)
+        producer["x"], producer["w"], producer["sums"], producer["n_places"] = (_ptr(staged), _ptr(scaled),
+                                                                               _ptr(sums), len(places))
+        producer["places"][:len(places)] = [_ptr(place) for place in places]
+        consumer["sums_in"], consumer["eps"], consumer["unscale"], consumer["dim"] = _ptr(sums), eps, 2.0 ** e, k
+        return NormFeed(staged, places, scaled, 2.0 ** e, float(eps), sums, producer, consumer)
+
+    def feeds(self, rows: int) -> bool:
+        """Whether a launch of `rows` rows of x leaves its output as self.feeding's x (forward_feeding): one row of
+        one weight, linked to the norm after it, outside a megakernel chain."""
+        return (rows == 1 and self.feeding is not None and len(self.layouts) == 1
+                and (self.segment is None or megakernel.active() is None))
+
+    def stage_gated(self, gate: Tensor, up: Tensor) -> Tensor:
+        """One row of the gated MLP's silu(gate) * up staged as forward(gate, up) stages it, for forward_feeding."""
+        _check_fp16(gate, up)
+        if gate.shape != (1, self.k) or up.shape != gate.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)}: one row of {self.k} each expected")
+        return self._stage(gate.contiguous(), 1, (up.contiguous(), *PLAIN[1:]))
+
+    def forward_feeding(self, staged: Tensor, residual: Tensor) -> Tensor:
+        """The one weight on one row of x, staged (stored_x's buffer, or stage_gated's), its output y left as
+        self.feeding's x instead of returned: returns r = residual + y (as add_rmsnorm adds them), the stream's new
+        residual [1, n], and writes r * w' in the next launch's stored order with r's sums of squares."""
+        lay, feed = self.layouts[0], self.feeding
+        if residual.shape != (1, lay.n):
+            raise ValueError(f"a launch of {lay.n} outputs cannot add them to a residual {tuple(residual.shape)}")
+        r = torch.empty_like(residual)
+        chain = feed.producer_chain.copy()
+        chain["residual"], chain["new_residual"] = _ptr(residual), _ptr(r)
+        self._launch_small(1, staged, [None], chain)
+        return r
+
+    def forward_fed(self) -> list[Tensor]:
+        """forward_normed's outputs for the one row of x that a forward_feeding launch left in self.fed_by."""
+        feed = self.fed_by
+        ys = [torch.empty(1, lay.n, dtype=torch.float16, device=feed.sums.device) for lay in self.layouts]
+        self._launch_small(1, feed.staged, ys, feed.consumer_chain)
+        return ys
 
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:
         """The buffer stage_xs writes `rows` rows of x into (kept from call to call, one per rows class): each part's
@@ -718,6 +782,24 @@ class QuantMatmul:
     def dequantize(self, i: int = 0) -> Tensor:
         """Weight i in fp16 [N, K] as the large-M path uses it."""
         return self._dequant(i)[:, :self.layouts[i].n].T.contiguous()
+
+
+@dataclass
+class NormFeed:
+    """One row of a matmul's x with the block's norm in front of it done at the two ends of its dependency instead
+    of by a stage_xs launch (qmm_rows.cuh STAGE-FREE NORM): the launch before (QuantMatmul.forward_feeding) writes
+    r * w' into `staged` as stage_xs would stage x and each 32 columns' sum of r^2 into `sums`; this one
+    (forward_fed) multiplies its outputs by unscale / rms(r). w' = w / unscale, a power of two that keeps |w'| <= 1
+    so that r * w' cannot overflow fp16. Outputs match forward_normed's up to rounding (the norm's scale comes after
+    the matmul)."""
+    staged: Tensor      # the consumer's one-row stage buffer
+    places: Tensor      # int32 [parts, K]: stored_places of each of the consumer's weights
+    w: Tensor           # fp16 [K]: w'
+    unscale: float
+    eps: float
+    sums: Tensor        # fp32 [K / 32]
+    producer_chain: np.ndarray      # CHAIN_DTYPE: the producer's launch's, less its residual and new residual
+    consumer_chain: np.ndarray      # CHAIN_DTYPE: the consumer's launch's
 
 
 def stored_places(lay: LaneLayout) -> Tensor:

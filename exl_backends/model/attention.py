@@ -25,18 +25,22 @@ class Attention:
                         if value is not None}
 
     def __call__(self, x: Tensor, batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops) -> Tensor:
-        return self.attend_project(self.qkv(x), batch, cache, cos, sin, ops)
+        return self.attend_project(self.qkv(x), batch, cache, cos, sin, ops)[0]
 
-    def attend_project(self, qkv: list[Tensor], batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor,
-                       ops: Ops) -> Tensor:
-        """The outputs of self.qkv [T, *] -> the o projection's output [T, D]: rope_attend, then o. A decode row
-        whose o can read the attention's output as it is written (o_input) takes one launch less."""
+    def attend_project(self, qkv: list[Tensor], batch: Batch, cache: KVCache, cos: Tensor, sin: Tensor, ops: Ops,
+                       residual: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """The outputs of self.qkv [T, *] -> (the o projection's output a [T, D], residual): rope_attend, then o.
+        A decode row whose o can read the attention's output as it is written (o_input) takes one launch less; if
+        o also feeds the norm after it (QuantMatmul.feeds), a is None and o returns the residual with a added,
+        having left the MLP's normed input in place (QuantMatmul.forward_feeding)."""
         into = self.o_input(qkv[0].shape[0], ops)
         if into is None:
-            return self.o(self.rope_attend(qkv, batch, cache, cos, sin, ops))
+            return self.o(self.rope_attend(qkv, batch, cache, cos, sin, ops)), residual
         q, k, v = self.heads(qkv, ops)
         ops.rope_attend(q, k, v, cos, sin, cache, self.layer, batch, self.scale, into=into, **self.options)
-        return self.o.kernel.forward_stored(into[0])
+        if residual is not None and self.o.kernel.feeds(q.shape[0]):
+            return None, self.o.kernel.forward_feeding(into[0], residual)
+        return self.o.kernel.forward_stored(into[0]), residual
 
     def o_input(self, rows: int, ops: Ops) -> tuple[Tensor, Tensor] | None:
         """Where the attention of a decode row can write its output for a quantized o projection to read it as is,

@@ -146,9 +146,13 @@ class FusedLinear:
         return self._stacked_weight(dtype)[0]
 
 
-    def after_norm(self, h: Tensor, residual: Tensor | None, w: Tensor, eps: float, ops) -> tuple[list[Tensor], Tensor]:
+    def after_norm(self, h: Tensor | None, residual: Tensor | None, w: Tensor, eps: float,
+                   ops) -> tuple[list[Tensor], Tensor]:
         """(self(x), r) for the block's norm in front of these layers: x, r = ops.norm_residual(h, residual, w, eps).
-        A fused quantized launch on CUDA normalises x as it stages it (QuantMatmul.forward_normed)."""
+        A fused quantized launch on CUDA normalises x as it stages it (QuantMatmul.forward_normed). h None: the
+        launch before has fed this one's x (QuantMatmul.forward_feeding) and residual is r already."""
+        if h is None:
+            return self.kernel.forward_fed(), residual
         if self.kernel is not None:
             return self.kernel.forward_normed(h, residual, w, eps)
         x, residual = ops.norm_residual(h, residual, w, eps)

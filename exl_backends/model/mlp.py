@@ -26,10 +26,15 @@ class Mlp:
     def __call__(self, x: Tensor, ops: Ops) -> Tensor:
         return self._down(*self.gate_up(x), ops)
 
-    def after_norm(self, h: Tensor, residual: Tensor, w: Tensor, eps: float, ops: Ops) -> tuple[Tensor, Tensor]:
+    def after_norm(self, h: Tensor | None, residual: Tensor, w: Tensor, eps: float,
+                   ops: Ops) -> tuple[Tensor | None, Tensor]:
         """(self(x), r) for x, r = ops.norm_residual(h, residual, w, eps): on CUDA the norm and the activation run
-        inside the gate/up and down launches (FusedLinear.after_norm)."""
+        inside the gate/up and down launches (FusedLinear.after_norm; h None: the launch before fed gate/up's x).
+        If down feeds the next block's norm (QuantMatmul.feeds), (None, r + self(x)) instead."""
         (gate, up), residual = self.gate_up.after_norm(h, residual, w, eps, ops)
+        down = self.gated_down
+        if down is not None and down.feeds(gate.shape[0]):
+            return None, down.forward_feeding(down.stage_gated(gate, up), residual)
         return self._down(gate, up, ops), residual
 
     def _down(self, gate: Tensor, up: Tensor, ops: Ops) -> Tensor:

@@ -106,6 +106,22 @@ class Model:
         # Gemma: sqrt(hidden_size), rounded to the compute dtype as transformers rounds it
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device) \
             if config.traits.scale_embeddings else None
+        self.link_norms()
+
+    def link_norms(self) -> None:
+        """Where a decode row's one-row launch does the work of the norm after it (QuantMatmul.norm_feed: no launch
+        stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage.
+        Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or CPU layer."""
+        eps = self.config.rms_norm_eps
+        for stage in self.stages:
+            for i in stage.layers:
+                b = self.blocks[i]
+                if b.attn_out_norm is not None or not isinstance(b.mlp, Mlp):
+                    continue
+                _link(getattr(b.attention.o, "kernel", None), b.mlp.gate_up.kernel, b.post_attn_norm, eps)
+                if i + 1 in stage.layers and b.mlp_out_norm is None:
+                    after = self.blocks[i + 1]
+                    _link(b.mlp.gated_down, after.attention.qkv.kernel, after.input_norm, eps)
 
     def _ropes(self, device: torch.device) -> tuple[Rope, Rope | None]:
         if device == self.device:
@@ -166,7 +182,8 @@ class Model:
         """Stage k's blocks, on its device (the current one; batch there too), from the embedding (k = 0) or from
         the stage before's (h, residual), moved here at a device boundary. Between blocks the stream is carried as
         (h, residual): the last block's output and the residual before it, which the next block's input norm adds
-        (so that its q/k/v launch can apply that norm: FusedLinear.after_norm). Returns (h, residual) for the next
+        (so that its q/k/v launch can apply that norm: FusedLinear.after_norm; h None where the launch before
+        did the norm's work already: link_norms). Returns (h, residual) for the next
         stage, or after the last one the f32 logits [R, vocab] for batch.logit_rows (None: every row)."""
         stage = self.stages[k]
         ropes = self.cos_sin(batch.positions, token_seq_lens(batch) if self.long_rope else None, stage.device)
@@ -177,7 +194,8 @@ class Model:
         for i in stage.layers:
             block = self.blocks[i]
             qkv, residual = self.qkv(i, h, residual)
-            a = block.attention.attend_project(qkv, batch, cache, *ropes[block.local_rope], self.ops)
+            a, residual = block.attention.attend_project(qkv, batch, cache, *ropes[block.local_rope], self.ops,
+                                                         residual)
             h, residual = self.after_o(i, a, residual)
         megakernel.flush()                      # (inside megakernel.chaining: the last block's matmuls)
         if k + 1 < len(self.stages):
@@ -221,8 +239,9 @@ class Model:
         Row by row: no row depends on another."""
         return self.after_o(i, self.blocks[i].attention.o(attn), residual)
 
-    def after_o(self, i: int, a: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """Block i from its o projection's output a [T, D] on, as after_attention."""
+    def after_o(self, i: int, a: Tensor | None, residual: Tensor) -> tuple[Tensor | None, Tensor]:
+        """Block i from its o projection's output a [T, D] on, as after_attention (a None: o fed the MLP's norm,
+        link_norms; h None: down fed the next block's)."""
         ops, eps, block = self.ops, self.config.rms_norm_eps, self.blocks[i]
         if block.attn_out_norm is not None:
             a = ops.rmsnorm(a, block.attn_out_norm, eps)
@@ -244,6 +263,13 @@ class Model:
         if self.config.final_softcap is not None:
             logits = self.ops.softcap(logits, self.config.final_softcap)
         return logits
+
+
+def _link(producer, consumer, w: Tensor, eps: float) -> None:
+    """producer's one output feeds consumer's norm (weight w) where both are one-row quantized launches that can."""
+    if producer is None or consumer is None or len(producer.layouts) != 1 or producer.layouts[0].n != consumer.k:
+        return
+    producer.feeding = consumer.fed_by = consumer.norm_feed(w, eps)
 
 
 def missing_ops(config: ModelConfig, ops: Ops) -> list[str]:

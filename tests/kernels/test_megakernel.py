@@ -26,7 +26,7 @@ from exl_backends.model.config import ModelConfig
 from exl_backends.model.model import Model
 from exl_backends.model.runner import Runner
 
-from conftest import FIXTURES, needs_fixtures
+from conftest import FIXTURES, needs_fixtures, unlink_norms
 
 # ----------------------------------------------------------------------------------------------- CPU
 
@@ -187,6 +187,7 @@ def test_a_chained_step_gives_launch_per_ops_logits_bit_for_bit(name, cache_mode
     path = FIXTURES / "exl2" / name
     model = Model.load(path, ModelConfig.from_dir(path), "cuda", torch.float16)
     assert model.chainable()
+    unlink_norms(model)          # the segments stage each norm (a chain's launches feed none)
     cache, step = decode_step(model, cache_mode, 70)
     plain = model.forward(step, cache).clone()
     with mk.chaining(mk.counters(len(model.blocks), model.device)) as chain:
@@ -246,6 +247,7 @@ def test_greedy_generation_is_unchanged_by_the_megakernel(flag, monkeypatch):
         monkeypatch.setenv("EXL_MEGAKERNEL", path)
         model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2" / "llama_tiny_exl2_4.0bpw_h6", device="cuda",
                                                max_seq_len=512)
+        unlink_norms(model.model)            # the segments stage each norm, so their tokens are its bit for bit
         gen = Generator(model, cuda_graphs=True, max_batch_size=1)
         out = gen.submit([509] + list(range(20, 60)), max_new_tokens=64, stop_token_ids=[]).result().token_ids
         assert (gen.runner.graphs.by_shape[1, 1].segment_counters is not None) == (path != "0")

@@ -424,11 +424,15 @@ def test_gemm_ring_rows_are_bank_conflict_free():
 
 # ----------------------------------------------------------------------------------------------- CPU: kernel decode
 
+STRUCTS = [("Part", qm.PART_DTYPE), ("Params", qm.PARAMS_DTYPE), ("Chain", qm.CHAIN_DTYPE)]
+
+
 def _offset_lines() -> str:
-    """C++ that prints offsetof of every field of qm.PART_DTYPE, then of qm.PARAMS_DTYPE, then both sizes."""
-    lines = [f'printf("%zu\\n", offsetof(qmm::Part, {name}));' for name in qm.PART_DTYPE.names]
-    lines += [f'printf("%zu\\n", offsetof(qmm::Params, {name}));' for name in qm.PARAMS_DTYPE.names]
-    lines += ['printf("%zu %zu\\n", sizeof(qmm::Part), sizeof(qmm::Params));']
+    """C++ that prints offsetof of every field of qm.PART_DTYPE, qm.PARAMS_DTYPE and qm.CHAIN_DTYPE, then their
+    sizes."""
+    lines = [f'printf("%zu\\n", offsetof(qmm::{struct}, {name}));'
+             for struct, dtype in STRUCTS for name in dtype.names]
+    lines += ['printf("%zu %zu %zu\\n", sizeof(qmm::Part), sizeof(qmm::Params), sizeof(qmm::Chain));']
     return "\n        ".join(lines)
 
 
@@ -541,10 +545,9 @@ def test_gemm_x_columns_meet_the_lane_layouts_weights(harness):
 
 def test_launch_parameters_match_the_kernels_structs(harness):
     out = harness(["O 0"])
-    fields = [(qm.PART_DTYPE, name) for name in qm.PART_DTYPE.names] + \
-             [(qm.PARAMS_DTYPE, name) for name in qm.PARAMS_DTYPE.names]
+    fields = [(dtype, name) for _, dtype in STRUCTS for name in dtype.names]
     assert [row[0] for row in out[:-1]] == [dtype.fields[name][1] for dtype, name in fields]
-    assert out[-1] == [qm.PART_DTYPE.itemsize, qm.PARAMS_DTYPE.itemsize]
+    assert out[-1] == [dtype.itemsize for _, dtype in STRUCTS]
 
 
 def test_kernel_reads_scale_codes_and_zeros_of_its_columns(harness):
@@ -789,6 +792,74 @@ def test_normed_forward_is_the_norm_kernel_then_forward(fmt, m, with_residual):
     x, r = norm.add_rmsnorm(unaligned, residual, w, 1e-5) if with_residual else (norm.rmsnorm(unaligned, w, 1e-5), h)
     ys, new = f.forward_normed(unaligned, residual, w, 1e-5)
     assert torch.equal(new, r) and all(torch.equal(y, e) for y, e in zip(ys, f.forward(x)))
+
+
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("k,d,clusters", [(4128, 2080, True), (4128, 2080, False), (96, 416, True)],
+                         ids=["split-cluster", "split-counters", "no-split"])
+def test_a_launch_that_feeds_the_next_norm_gives_its_results_within_rounding(fmt, k, d, clusters, monkeypatch):
+    """STAGE-FREE NORM: a one-row launch of d outputs (the gated MLP's down; its columns finished by a cluster's
+    summing warp, by the split counters' last warp, or unsplit) returns r = residual + y bit for bit as
+    add_rmsnorm forms it and leaves r * w' in its consumer's stored orders (fused weights of their own
+    permutations and widths, one with a bias; w above 1, so w' = w / 4); the consumer's outputs are
+    forward_normed's within fp16 rounding and no farther from the exact result (the norm in fp64) than they are."""
+    if not clusters:
+        monkeypatch.setattr(qm, "one_row_cluster_slots", lambda device: {})
+    cuda = torch.device("cuda")
+    if fmt == "exl2":
+        down = synthetic.random_exl2(k, d, "0.05:8b_32g/0.95:4b_128g", seed=k)
+        weights = [synthetic.random_exl2(d, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+                   synthetic.random_exl2(d, 517, "0.1:4b_64g/0.9:3b_64g", seed=2),
+                   synthetic.random_exl2(d, 40, "6b_32g", seed=3)]
+    else:
+        down = synthetic.random_gptq(k, d, 4, 32, True, False, seed=k)
+        weights = [synthetic.random_gptq(d, 160, 4, 32, True, False, seed=1),
+                   synthetic.random_gptq(d, 96, 4, 32, True, False, seed=2)]
+    gen = torch.Generator().manual_seed(d)
+    biases = [None, (torch.randn(weights[1].dequantize().shape[0], generator=gen) * 0.1).half()] + [None] * 2
+    producer = qm.prepare(down.to(cuda), None)
+    consumer = qm.fuse([qm.prepare(w.to(cuda), None if b is None else b.cuda()) for w, b in zip(weights, biases)])
+    assert (producer.plans[1].cluster > 1) == (clusters and fmt == "exl2" and k > 96 and
+                                                torch.cuda.get_device_capability() >= planning.CLUSTER_CC)
+    assert (int(producer.plans[1].params["part"]["n_splits"][0]) > 1) == (k > 96)
+    gate, up = (torch.randn(1, k, generator=gen) * 2).half().cuda(), torch.randn(1, k, generator=gen).half().cuda()
+    residual = (torch.randn(1, d, generator=gen) * 4).half().cuda()
+    w = (torch.rand(d, generator=gen) * 2.5 + 0.25).half().cuda()
+    expected, r_expected = consumer.forward_normed(producer(gate, up), residual, w, 1e-5)
+    producer.feeding = consumer.fed_by = consumer.norm_feed(w, 1e-5)
+    assert consumer.fed_by.unscale == 4.0 and producer.feeds(1) and not producer.feeds(2)
+    for _ in range(2):                       # twice: the split counters reset themselves
+        poison_allocator()
+        r = producer.forward_feeding(producer.stage_gated(gate, up), residual)
+        ys = consumer.forward_fed()
+        assert torch.equal(r, r_expected)
+        rms = r.double().pow(2).mean().add(1e-5).sqrt()
+        for y, e, weight, bias in zip(ys, expected, weights, biases):
+            exact = (r.double() * w.double() / rms) @ weight.dequantize().double().T.cuda()
+            exact = exact + (0 if bias is None else bias.double().cuda())
+            assert torch.isfinite(y).all() and (y - e).abs().max() <= 4e-3 * e.abs().max()
+            assert rel(y, exact) <= max(1.5 * rel(e, exact), 1e-3), (rel(y, exact), rel(e, exact))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@on_gpu
+def test_a_launch_feeds_only_the_norm_it_can_hold():
+    """norm_feed refuses a norm weight of another length or dtype; forward_feeding a residual of another shape."""
+    cuda = torch.device("cuda")
+    f = qm.prepare(synthetic.random_exl2(416, 96, "4b_128g", seed=1).to(cuda), None)
+    assert f.norm_feed(torch.ones(400, dtype=torch.float16, device=cuda), 1e-5) is None
+    assert f.norm_feed(torch.ones(416, dtype=torch.float32, device=cuda), 1e-5) is None
+    feed = f.norm_feed(torch.full((416,), 0.75, dtype=torch.float16, device=cuda), 1e-5)
+    assert feed.unscale == 1.0 and feed.sums.shape == (13,) and feed.places.shape == (1, 416)
+    producer = qm.prepare(synthetic.random_exl2(96, 416, "4b_128g", seed=2).to(cuda), None)
+    producer.feeding = feed
+    with pytest.raises(ValueError, match="residual"):
+        producer.forward_feeding(producer.stage_gated(*torch.ones(2, 1, 96, dtype=torch.float16, device=cuda)),
+                                 torch.ones(1, 400, dtype=torch.float16, device=cuda))
 
 
 @on_gpu
