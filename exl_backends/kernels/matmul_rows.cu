@@ -23,9 +23,7 @@
          const __grid_constant__ qmm::Chain chain)                                                                     \
     {                                                                                                                  \
         exl::pdl_trigger();                                                                                           \
-        const bool chained = chain.x || chain.sums_in;                                                               \
-        qmm::matmul<FMT, 1, true>(p, x, y0, y1, y2, ws, blockIdx.x, blockDim.x / 32, qmm::PdlWait(),                 \
-                                  chained ? &chain : nullptr);                                                         \
+        qmm::matmul<FMT, 1, true>(p, x, y0, y1, y2, ws, blockIdx.x, blockDim.x / 32, qmm::PdlWait(), chain);       \
     }
 
 #ifndef QMM_M1_BLOCKS

@@ -416,7 +416,8 @@ __device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int s
 //   by 2^e / rms before its bias, rms from the N / 32 sums added in one fixed order by every finishing warp:
 //   W (r w') 2^e / rms = W (r w / rms), the staged path's result up to rounding (the norm's scale comes after the
 //   matmul, once, instead of before it). The loads of the columns' ends are L2 prefetched ahead (prefetch_end):
-//   the kernel has no registers to hold them through the walk. The Chain struct is in qmm.cuh, with Params.
+//   the kernel has no registers to hold them through the walk. Every field is read from the kernel's parameters
+//   (the constant bank): through a generic pointer each read was a memory round trip (+1-3 us a launch, 5b9f8eb). The Chain struct is in qmm.cuh, with Params.
 
 // Warp-wide sum by a fixed tree: the same bits in every lane and every warp.
 __device__ __forceinline__ float warp_sum(float v)
@@ -427,61 +428,64 @@ __device__ __forceinline__ float warp_sum(float v)
 
 // Into L2 ahead of the end: before the wait (after: false) the weights' own lines (w', places), after it
 // (after: true) the lines earlier kernels wrote (the residual, the sums). Lane 0 of each working warp.
-__device__ __forceinline__ void prefetch_end(const Chain* ch, int strip, bool after)
+__device__ __forceinline__ void prefetch_end(const Chain& ch, int strip, bool after)
 {
-    if (!ch || threadIdx.x % 32) return;
+    if (threadIdx.x % 32) return;
     const int c0 = strip * 32;
-    if (ch->x && !after) {
-        prefetch_l2(ch->w + c0);
-        for (int i = 0; i < ch->n_places; ++i) prefetch_l2(ch->places[i] + c0);
-    } else if (ch->x) {
-        prefetch_l2(ch->residual + c0);
-    } else if (ch->sums_in && after) {
-        for (int j = 0; j < ch->dim / 32; j += 32) prefetch_l2(ch->sums_in + j);
+    if (ch.x && !after) {
+        prefetch_l2(ch.w + c0);
+        for (int i = 0; i < ch.n_places; ++i) prefetch_l2(ch.places[i] + c0);
+    } else if (ch.x) {
+        prefetch_l2(ch.residual + c0);
+    } else if (ch.sums_in && after) {
+        for (int j = 0; j < ch.dim / 32; j += 32) prefetch_l2(ch.sums_in + j);
     }
 }
 
 // Column strip * 32 + lane of a one-row launch, its sum over K (v, every split's) in hand: y = fp16(v + bias), or
 // as ch says (STAGE-FREE NORM). Every lane of the warp calls it.
-__device__ __forceinline__ void end_column(const Chain* ch, const Part& pt, int strip, float v, half* y)
+__device__ __forceinline__ void end_column(const Chain& ch, const Part& pt, int strip, float v, half* y)
 {
     const int col = strip * 32 + (int)threadIdx.x % 32;
     const bool in = col < pt.n;
-    if (ch && ch->sums_in) {
+    if (ch.sums_in) {
         float sq = 0.f;
-        for (int j = threadIdx.x % 32; j < ch->dim / 32; j += 32) sq += ch->sums_in[j];
-        v *= ch->unscale * inverse_rms(warp_sum(sq), ch->dim, ch->eps);
+        for (int j = threadIdx.x % 32; j < ch.dim / 32; j += 32) sq += __ldcg(ch.sums_in + j);
+        v *= ch.unscale * inverse_rms(warp_sum(sq), ch.dim, ch.eps);
     }
     const half h = __float2half_rn(v + (in ? bias_at(pt.bias, col) : 0.f));
-    if (!ch || !ch->x) {
+    if (!ch.x) {
         if (in) y[col] = h;
         return;
     }
     float sq = 0.f;
     if (in) {
-        const half r = add_residual(h, ch->residual[col]);
-        ch->new_residual[col] = r;
-        const float rw = __half2float(r) * __half2float(ch->w[col]);       // exact in fp32 (11-bit significands)
-        for (int i = 0; i < ch->n_places; ++i) {
-            const int place = ch->places[i][col];
-            ch->x[(size_t)i * pt.n + (place & 0x7fffffff)] = __float2half_rn(place < 0 ? rw * 0.0625f : rw);
+        const half r = add_residual(h, ch.residual[col]);
+        ch.new_residual[col] = r;
+        const float rw = __half2float(r) * __half2float(ch.w[col]);         // exact in fp32 (11-bit significands)
+        for (int i = 0; i < ch.n_places; ++i) {
+            const int place = ch.places[i][col];
+            ch.x[(size_t)i * pt.n + (place & 0x7fffffff)] = __float2half_rn(place < 0 ? rw * 0.0625f : rw);
         }
         sq = __half2float(r) * __half2float(r);
     }
     sq = warp_sum(sq);
-    if (threadIdx.x % 32 == 0) ch->sums[strip] = sq;
+    if (threadIdx.x % 32 == 0) ch.sums[strip] = sq;
 }
+
+// Whether a one-row launch's chain asks for more than y.
+__device__ __forceinline__ bool chained(const Chain& ch) { return ch.x || ch.sums_in; }
 
 // The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
 // warp to arrive reduces them.
 template <int N8, bool M1>
 __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
                                        half* y, float* ws, int ws_rows, int* counters, const Stamps& stamps = {},
-                                       const Chain* ch = nullptr)
+                                       const Chain& ch = Chain{})
 {
     const int lane = threadIdx.x % 32;
     const int N = pt.n, Np = pt.np;
-    if (M1 && ch && pt.n_splits == 1) {          // lane l takes column l from the lane (4 (l % 8)) that holds it
+    if (M1 && chained(ch) && pt.n_splits == 1) {          // lane l takes column l from the lane (4 (l % 8)) that holds it
         const int from = 4 * (lane % 8);       // column 16 t + 8 h + g: acc[t][0][2 h] of lane 4 g
         const float v00 = __shfl_sync(FULL_MASK, acc[0][0][0], from), v02 = __shfl_sync(FULL_MASK, acc[0][0][2], from);
         const float v10 = __shfl_sync(FULL_MASK, acc[1][0][0], from), v12 = __shfl_sync(FULL_MASK, acc[1][0][2], from);
@@ -506,7 +510,7 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
     stamps.summed();
     __syncwarp();                                // the last warp of the strip: every other split's partial is in
     if constexpr (M1) {
-        if (ch) {
+        if (chained(ch)) {
             float sum = 0.f;                     // reduce_splits' order: split 0 first
             for (int s = 0; s < pt.n_splits; ++s) sum += __ldcg(ws + (size_t)s * ws_rows * Np + strip * 32 + lane);
             end_column(ch, pt, strip, sum, y);
@@ -620,7 +624,7 @@ __device__ __forceinline__ float cluster_load(const float* v, unsigned rank)
 // strip `warp`, the barrier (CLUSTER SUMS). Every warp of every block calls it (idle warps with idle = true).
 template <int N8>
 __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], const Part& pt, int strip, half* y,
-                                               unsigned C, bool idle, const Chain* ch = nullptr)
+                                               unsigned C, bool idle, const Chain& ch = Chain{})
 {
     __shared__ float sums_s[WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -645,7 +649,7 @@ __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], con
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters,
-                                                   int strips_per_block, const Wait& wait, const Chain* ch = nullptr)
+                                                   int strips_per_block, const Wait& wait, const Chain& ch = Chain{})
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
@@ -698,7 +702,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
                                        int b, int strips_per_block, const Wait& wait = Wait(),
-                                       const Chain* ch = nullptr)
+                                       const Chain& ch = Chain{})
 {
     constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, b);
