@@ -415,9 +415,11 @@ __device__ __forceinline__ void for_each_acc(const float (&acc)[2][N8][4], int s
 //   r^2 (fp32, the 32 lanes by a fixed tree) to sums[strip]. The consumer (q/k/v, gate/up) multiplies each output
 //   by 2^e / rms before its bias, rms from the N / 32 sums added in one fixed order by every finishing warp:
 //   W (r w') 2^e / rms = W (r w / rms), the staged path's result up to rounding (the norm's scale comes after the
-//   matmul, once, instead of before it). The loads of the columns' ends are L2 prefetched ahead (prefetch_end):
-//   the kernel has no registers to hold them through the walk. Every field is read from the kernel's parameters
-//   (the constant bank): through a generic pointer each read was a memory round trip (+1-3 us a launch, 5b9f8eb). The Chain struct is in qmm.cuh, with Params.
+//   matmul, once, instead of before it). What a column's end reads comes into the warp's shared memory by cp.async
+//   while it walks (fetch_end, EndLines: the kernel has no registers to hold it): read at the end from L2 it cost
+//   ~0.5 us a launch (probe, e116559). Every Chain field is read from the kernel's parameters (the constant bank):
+//   through a generic pointer each read was a memory round trip (+1-3 us a launch, 5b9f8eb). The Chain struct is
+//   in qmm.cuh, with Params.
 
 // Warp-wide sum by a fixed tree: the same bits in every lane and every warp.
 __device__ __forceinline__ float warp_sum(float v)
@@ -426,31 +428,53 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
-// Into L2 ahead of the end: before the wait (after: false) the weights' own lines (w', places), after it
-// (after: true) the lines earlier kernels wrote (the residual, the sums). Lane 0 of each working warp.
-__device__ __forceinline__ void prefetch_end(const Chain& ch, int strip, bool after)
+// Whether a one-row launch's chain asks for more than y.
+__device__ __forceinline__ bool chained(const Chain& ch) { return ch.x || ch.sums_in; }
+
+// The lines a warp's column end reads (STAGE-FREE NORM), copied into its shared memory by cp.async while it walks
+// (no registers held, no wait): the producer's w' and places before the wait, its residual after; the consumer's
+// first END_SUMS sums after the wait (more are read at the end).
+constexpr int END_SUMS = 128;
+union EndLines {
+    struct {
+        int place[MAX_PARTS][32];
+        half w[32], residual[32];
+    } out;
+    float sums[END_SUMS];
+};
+
+// The warp's strip's lines into end (before the wait: after = false; after it: true); every lane calls it.
+__device__ __forceinline__ void fetch_end(const Chain& ch, EndLines* end, int strip, bool after)
 {
-    if (threadIdx.x % 32) return;
-    const int c0 = strip * 32;
+    const int lane = threadIdx.x % 32, c0 = strip * 32;
     if (ch.x && !after) {
-        prefetch_l2(ch.w + c0);
-        for (int i = 0; i < ch.n_places; ++i) prefetch_l2(ch.places[i] + c0);
+        if (lane < 8 * ch.n_places)                  // 8 lanes a part's 32 places, 4 more the 32 weights
+            copy_async16(&end->out.place[lane / 8][lane % 8 * 4], ch.places[lane / 8] + c0 + lane % 8 * 4, true);
+        else if (lane >= 24 && lane < 28)
+            copy_async16(&end->out.w[(lane - 24) * 8], ch.w + c0 + (lane - 24) * 8, true);
     } else if (ch.x) {
-        prefetch_l2(ch.residual + c0);
+        if (lane < 4) copy_async16(&end->out.residual[lane * 8], ch.residual + c0 + lane * 8, true);
     } else if (ch.sums_in && after) {
-        for (int j = 0; j < ch.dim / 32; j += 32) prefetch_l2(ch.sums_in + j);
+        for (int j = lane * 4; j < min(ch.dim / 32, END_SUMS); j += 128)
+            copy_async16(&end->sums[j], ch.sums_in + j, true);
     }
+    copy_async_commit();
 }
 
 // Column strip * 32 + lane of a one-row launch, its sum over K (v, every split's) in hand: y = fp16(v + bias), or
 // as ch says (STAGE-FREE NORM). Every lane of the warp calls it.
-__device__ __forceinline__ void end_column(const Chain& ch, const Part& pt, int strip, float v, half* y)
+__device__ __forceinline__ void end_column(const Chain& ch, const EndLines* end, const Part& pt, int strip, float v,
+                                           half* y)
 {
-    const int col = strip * 32 + (int)threadIdx.x % 32;
+    const int lane = threadIdx.x % 32, col = strip * 32 + lane;
     const bool in = col < pt.n;
+    if (chained(ch)) {
+        copy_async_wait<0>();                        // fetch_end's lines, every lane's
+        __syncwarp();
+    }
     if (ch.sums_in) {
         float sq = 0.f;
-        for (int j = threadIdx.x % 32; j < ch.dim / 32; j += 32) sq += __ldcg(ch.sums_in + j);
+        for (int j = lane; j < ch.dim / 32; j += 32) sq += j < END_SUMS ? end->sums[j] : __ldg(ch.sums_in + j);
         v *= ch.unscale * inverse_rms(warp_sum(sq), ch.dim, ch.eps);
     }
     const half h = __float2half_rn(v + (in ? bias_at(pt.bias, col) : 0.f));
@@ -460,37 +484,34 @@ __device__ __forceinline__ void end_column(const Chain& ch, const Part& pt, int 
     }
     float sq = 0.f;
     if (in) {
-        const half r = add_residual(h, ch.residual[col]);
+        const half r = add_residual(h, end->out.residual[lane]);
         ch.new_residual[col] = r;
-        const float rw = __half2float(r) * __half2float(ch.w[col]);         // exact in fp32 (11-bit significands)
+        const float rw = __half2float(r) * __half2float(end->out.w[lane]);   // exact in fp32 (11-bit significands)
         for (int i = 0; i < ch.n_places; ++i) {
-            const int place = ch.places[i][col];
+            const int place = end->out.place[i][lane];
             ch.x[(size_t)i * pt.n + (place & 0x7fffffff)] = __float2half_rn(place < 0 ? rw * 0.0625f : rw);
         }
         sq = __half2float(r) * __half2float(r);
     }
     sq = warp_sum(sq);
-    if (threadIdx.x % 32 == 0) ch.sums[strip] = sq;
+    if (lane == 0) ch.sums[strip] = sq;
 }
-
-// Whether a one-row launch's chain asks for more than y.
-__device__ __forceinline__ bool chained(const Chain& ch) { return ch.x || ch.sums_in; }
 
 // The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
 // warp to arrive reduces them.
 template <int N8, bool M1>
 __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
                                        half* y, float* ws, int ws_rows, int* counters, const Stamps& stamps = {},
-                                       const Chain& ch = Chain{})
+                                       const Chain& ch = Chain{}, const EndLines* end = nullptr)
 {
     const int lane = threadIdx.x % 32;
     const int N = pt.n, Np = pt.np;
-    if (M1 && chained(ch) && pt.n_splits == 1) {          // lane l takes column l from the lane (4 (l % 8)) that holds it
+    if (M1 && chained(ch) && pt.n_splits == 1) {   // lane l takes column l from lane 4 (l % 8), which holds it
         const int from = 4 * (lane % 8);       // column 16 t + 8 h + g: acc[t][0][2 h] of lane 4 g
         const float v00 = __shfl_sync(FULL_MASK, acc[0][0][0], from), v02 = __shfl_sync(FULL_MASK, acc[0][0][2], from);
         const float v10 = __shfl_sync(FULL_MASK, acc[1][0][0], from), v12 = __shfl_sync(FULL_MASK, acc[1][0][2], from);
         const bool h = lane % 16 >= 8;
-        end_column(ch, pt, strip, lane < 16 ? (h ? v02 : v00) : (h ? v12 : v10), y);
+        end_column(ch, end, pt, strip, lane < 16 ? (h ? v02 : v00) : (h ? v12 : v10), y);
         return;
     }
     if (pt.n_splits == 1) {
@@ -513,7 +534,7 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
         if (chained(ch)) {
             float sum = 0.f;                     // reduce_splits' order: split 0 first
             for (int s = 0; s < pt.n_splits; ++s) sum += __ldcg(ws + (size_t)s * ws_rows * Np + strip * 32 + lane);
-            end_column(ch, pt, strip, sum, y);
+            end_column(ch, end, pt, strip, sum, y);
         } else {
             reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
         }
@@ -624,7 +645,8 @@ __device__ __forceinline__ float cluster_load(const float* v, unsigned rank)
 // strip `warp`, the barrier (CLUSTER SUMS). Every warp of every block calls it (idle warps with idle = true).
 template <int N8>
 __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], const Part& pt, int strip, half* y,
-                                               unsigned C, bool idle, const Chain& ch = Chain{})
+                                               unsigned C, bool idle, const Chain& ch = Chain{},
+                                               const EndLines* end = nullptr)
 {
     __shared__ float sums_s[WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -635,7 +657,7 @@ __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], con
     if (!idle && warp % C == cluster_rank()) {
         float sum = 0.f;                             // reduce_splits' order: split 0 first
         for (unsigned s = 0; s < C; ++s) sum += cluster_load(&sums_s[warp][lane], s);
-        end_column(ch, pt, strip, sum, y);
+        end_column(ch, end, pt, strip, sum, y);
     }
     __syncwarp();
     cluster_barrier();
@@ -649,7 +671,8 @@ __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], con
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& pt, int local, int M, const half* xg,
                                                    const float2* cg, half* y, float* ws, int* counters,
-                                                   int strips_per_block, const Wait& wait, const Chain& ch = Chain{})
+                                                   int strips_per_block, const Wait& wait, const Chain& ch = Chain{},
+                                                   EndLines* end_s = nullptr)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int2* meta_s = reinterpret_cast<int2*>(smem + p.meta_smem);
@@ -664,7 +687,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     if (mine) {
         start_stream(st, pt, strip, split, lane);
         prefetch_records<Fmt>(pt, strip, split, lane);
-        prefetch_end(ch, strip, false);
+        if (chained(ch)) fetch_end(ch, end_s + warp, strip, false);
     }
     stage_meta(meta_s, pt.chunk_meta, pt.split_chunk[split], pt.split_chunk[split + 1]);
     __syncthreads();                                   // the weights' own metadata: overlaps the kernel before
@@ -675,7 +698,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     }
     wait();                                            // x (stage_xs's), ws and the counters
     stamps.at(1);
-    prefetch_end(ch, strip, true);
+    if (chained(ch)) fetch_end(ch, end_s + warp, strip, true);
     MatmulSink<Fmt, N8, M1, true> sink;
     const int g = lane / 4, q = lane % 4;
     sink.xg = xg + (M1 ? 0 : g * (size_t)p.K);
@@ -686,12 +709,12 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     stamps.at(2);
     if constexpr (M1 && Fmt::CLUSTERS)
         if (C > 1) {
-            cluster_finish<N8>(sink.acc, pt, strip, y, C, false, ch);
+            cluster_finish<N8>(sink.acc, pt, strip, y, C, false, ch, end_s + warp);
             stamps.at(3);
             stamps.emit(1, p.n_parts, p.K, local);
             return;
         }
-    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps, ch);
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps, ch, end_s + warp);
     stamps.at(3);
     stamps.emit(1, p.n_parts, p.K, local);
 }
@@ -702,7 +725,7 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
 template <class Fmt, int N8, bool M1, class Wait = PdlWait>
 __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0, half* y1, half* y2, float* ws,
                                        int b, int strips_per_block, const Wait& wait = Wait(),
-                                       const Chain& ch = Chain{})
+                                       const Chain& ch = Chain{}, EndLines* end_s = nullptr)
 {
     constexpr int R = M1 ? 1 : 8 * N8;
     const int pi = part_of(p, b);
@@ -711,7 +734,7 @@ __device__ __forceinline__ void matmul(const Params& p, const half* xs, half* y0
     const float2* corr =
         reinterpret_cast<const float2*>(xs + (size_t)p.n_parts * R * p.K) + (size_t)pi * (p.K / 32) * R;
     matmul_part_staged<Fmt, N8, M1>(p, pt, b - pt.block0, p.M, xs + (size_t)pi * R * p.K, corr, y,
-                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait, ch);
+                                    ws ? ws + pt.ws_offset : ws, pt.counters, strips_per_block, wait, ch, end_s);
 }
 
 // x [M, K] for the small-M launch of p, R staged rows (1, 8 or 16; row m >= M repeats row M - 1): block (bx, part,

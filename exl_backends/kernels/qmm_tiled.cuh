@@ -8,36 +8,6 @@ namespace qmm {
 
 using namespace exl;
 
-__device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// 16 bytes from global to shared memory without waiting (sm_80+: cp.async, L2 only); !valid: zeros. Before sm_80 a
-// plain copy (the wait and commit below are then no-ops, and the block barrier orders it).
-__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid)
-{
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0) : "memory");
-#else
-    *static_cast<uint4*>(dst) = valid ? *static_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
-#endif
-}
-
-__device__ __forceinline__ void copy_async_commit()
-{
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void copy_async_wait()
-{
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
 // Columns col, col + 1 of row m of y [M, n] (those < n), as one 4-byte store where aligned.
 __device__ __forceinline__ void store_pair(half* y, int n, int m, int col, float v0, float v1)
 {

@@ -653,7 +653,8 @@ class QuantMatmul:
         device = self.layouts[0].words.device
         e = max(0, math.ceil(math.log2(max(float(w.abs().max()), 2.0 ** -14))))    # |w * 2^-e| <= 1
         places = torch.stack([stored_places(lay) for lay in self.layouts])
-        staged, sums = self._stage_buffer(1, device), torch.empty(k // STRIP, dtype=torch.float32, device=device)
+        # (sums: whole 16-byte vectors, as the consumer's warps copy them)
+        staged, sums = self._stage_buffer(1, device), torch.empty(-(-k // 128) * 4, dtype=torch.float32, device=device)
         scaled = (w.float() * 2.0 ** -e).half().contiguous()
         producer, consumer = np.zeros((), CHAIN_DTYPE), np.zeros((), CHAIN_DTYPE)     # (made once: host time)
         producer["x"], producer["w"], producer["sums"], producer["n_places"] = (_ptr(staged), _ptr(scaled),
@@ -682,6 +683,7 @@ class QuantMatmul:
         lay, feed = self.layouts[0], self.feeding
         if residual.shape != (1, lay.n):
             raise ValueError(f"a launch of {lay.n} outputs cannot add them to a residual {tuple(residual.shape)}")
+        residual = aligned(residual)            # (copied 16 bytes at a time)
         r = torch.empty_like(residual)
         chain = feed.producer_chain.copy()
         chain["residual"], chain["new_residual"] = _ptr(residual), _ptr(r)
@@ -797,7 +799,7 @@ class NormFeed:
     w: Tensor           # fp16 [K]: w'
     unscale: float
     eps: float
-    sums: Tensor        # fp32 [K / 32]
+    sums: Tensor        # fp32 [K / 32] (padded to whole 16-byte vectors)
     producer_chain: np.ndarray      # CHAIN_DTYPE: the producer's launch's, less its residual and new residual
     consumer_chain: np.ndarray      # CHAIN_DTYPE: the consumer's launch's
 

@@ -854,7 +854,7 @@ def test_a_launch_feeds_only_the_norm_it_can_hold():
     assert f.norm_feed(torch.ones(400, dtype=torch.float16, device=cuda), 1e-5) is None
     assert f.norm_feed(torch.ones(416, dtype=torch.float32, device=cuda), 1e-5) is None
     feed = f.norm_feed(torch.full((416,), 0.75, dtype=torch.float16, device=cuda), 1e-5)
-    assert feed.unscale == 1.0 and feed.sums.shape == (13,) and feed.places.shape == (1, 416)
+    assert feed.unscale == 1.0 and feed.sums.shape == (16,) and feed.places.shape == (1, 416)
     producer = qm.prepare(synthetic.random_exl2(96, 416, "4b_128g", seed=2).to(cuda), None)
     producer.feeding = feed
     with pytest.raises(ValueError, match="residual"):
