@@ -666,8 +666,7 @@ class QuantMatmul:
     def feeds(self, rows: int) -> bool:
         """Whether a launch of `rows` rows of x leaves its output as self.feeding's x (forward_feeding): one row of
         one weight, linked to the norm after it, outside a megakernel chain."""
-        return (rows == 1 and self.feeding is not None and len(self.layouts) == 1
-                and (self.segment is None or megakernel.active() is None))
+        return rows == 1 and self.feeding is not None and len(self.layouts) == 1 and megakernel.active() is None
 
     def stage_gated(self, gate: Tensor, up: Tensor) -> Tensor:
         """One row of the gated MLP's silu(gate) * up staged as forward(gate, up) stages it, for forward_feeding."""
@@ -794,6 +793,7 @@ class NormFeed:
     (forward_fed) multiplies its outputs by unscale / rms(r). w' = w / unscale, a power of two that keeps |w'| <= 1
     so that r * w' cannot overflow fp16. Outputs match forward_normed's up to rounding (the norm's scale comes after
     the matmul)."""
+    # (the chains below hold raw pointers to staged, places, w and sums: the feed keeps them alive)
     staged: Tensor      # the consumer's one-row stage buffer
     places: Tensor      # int32 [parts, K]: stored_places of each of the consumer's weights
     w: Tensor           # fp16 [K]: w'
