@@ -8,8 +8,8 @@ from torch import Tensor
 
 from . import loader
 from .loader import launch
-from .quant_matmul import (MAX_PARTS, MOE_KERNELS, MOE_RESIDENT_BLOCKS, ROWS_PER_PASS, THREADS, LaneLayout,
-                           choose_splits, make_plan)
+from .lane_layout import LaneLayout
+from .quant_matmul import MAX_PARTS, MOE_KERNELS, MOE_RESIDENT_BLOCKS, ROWS_PER_PASS, THREADS, choose_splits, make_plan
 
 
 class ExpertMatmul:

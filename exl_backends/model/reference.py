@@ -190,7 +190,7 @@ def exl2_scales(q_scale: Tensor, q_scale_max: Tensor) -> Tensor:
 def exl2_runs(groups: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """Consecutive groups whose codes are one bit stream (same width, each ending on a word boundary where the
     next starts) as (bits, first word row, [(group, rows)]): unpacked at once, a load's CPU dequantization takes one
-    unpack per width instead of one per group; the GPU repack (quant_matmul.exl2_layout) one launch per run."""
+    unpack per width instead of one per group; the GPU repack (lane_layout.exl2_layout) one launch per run."""
     runs = []
     for g, (bits, qrow, rows) in enumerate(groups):
         if runs and runs[-1][0] == bits and runs[-1][3] == qrow * 32:

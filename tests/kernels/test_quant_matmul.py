@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from exl_backends.formats import exl2, synthetic
 from exl_backends.formats.tensors import TensorStore
 from exl_backends.kernels import planning
+from exl_backends.kernels import lane_layout as ll
 from exl_backends.kernels import quant_matmul as qm
 from exl_backends.model import reference
 
@@ -42,15 +43,15 @@ EXL2_MIXES = ["2b_64g", "3b_128g", "4b_128g", "5b_64g", "6b_32g", "8b_128g",
 
 
 def unlane_order(values: torch.Tensor) -> torch.Tensor:
-    """Inverse of qm.lane_order: [G, strips, 8, 4] -> [G, Np]."""
+    """Inverse of ll.lane_order: [G, strips, 8, 4] -> [G, Np]."""
     g, s = values.shape[:2]
     return values.reshape(g, s, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(g, s * 32)
 
 
 def lane_codes(lane: torch.Tensor, bits: int) -> torch.Tensor:
-    """A chunk's lane words [S, 32 lanes, bits] -> its codes [32 rows, 32 S columns], read with qm.PAIR_BITS."""
+    """A chunk's lane words [S, 32 lanes, bits] -> its codes [32 rows, 32 S columns], read with ll.PAIR_BITS."""
     strips = lane.shape[0]
-    pos = torch.tensor(qm.PAIR_BITS[bits])                                  # [16 pairs, bits]
+    pos = torch.tensor(ll.PAIR_BITS[bits])                                  # [16 pairs, bits]
     code = torch.zeros(strips, 32, 16, 2, dtype=torch.int64)
     for k in range(bits):
         for e in range(2):
@@ -61,12 +62,12 @@ def lane_codes(lane: torch.Tensor, bits: int) -> torch.Tensor:
     return code.permute(5, 2, 6, 7, 0, 3, 4, 1).reshape(32, strips * 32)
 
 
-def chunk_scales(lay: qm.LaneLayout, c: int) -> tuple[torch.Tensor, torch.Tensor | int]:
+def chunk_scales(lay: ll.LaneLayout, c: int) -> tuple[torch.Tensor, torch.Tensor | int]:
     """(scales [Np] f32 holding fp16 values, zero points) of chunk c, derived from chunk_meta and the strip-major
     meta0/meta1 the way the kernels do."""
     g, base = lay.chunk_meta[c].tolist()
     assert g == lay.chunk_group[c]
-    if lay.fmt is qm.Format.GPTQ:
+    if lay.fmt is ll.Format.GPTQ:
         scales, zeros = lay.meta0[:, g].cpu(), lay.meta1[:, g].cpu()                  # [strips, 8, 4]
         return unlane_order(scales[None]).float()[0], unlane_order(zeros[None]).long()[0]
     words = lay.meta0[:, g].cpu().long()[None] & 0xFFFFFFFF                           # [1, strips, 4]
@@ -77,7 +78,7 @@ def chunk_scales(lay: qm.LaneLayout, c: int) -> tuple[torch.Tensor, torch.Tensor
     return ((unlane_order(codes)[0] + 1) ** 2 * m).half().float(), 2 ** (lay.chunk_bits[c] - 1)
 
 
-def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
+def lane_dequant(lay: ll.LaneLayout) -> torch.Tensor:
     """The fp16 weight [N, K] read back from a lane layout the way the kernels read it: chunk c of width B at word
     32 * (sum of the widths before it) of its strip, runs of one width in WIDTHS order (run_start)."""
     words = (lay.words.cpu().long() & 0xFFFFFFFF).view(lay.strips, -1)
@@ -85,10 +86,10 @@ def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
     stored = torch.empty(lay.k, lay.np_, dtype=torch.float16)
     word = 0
     for c, bits in enumerate(lay.chunk_bits):
-        assert bounds[qm.WIDTHS.index(bits)] <= c < bounds[qm.WIDTHS.index(bits) + 1]
+        assert bounds[ll.WIDTHS.index(bits)] <= c < bounds[ll.WIDTHS.index(bits) + 1]
         chunk = words[:, word: word + 32 * bits]
         word += 32 * bits
-        planes = torch.split(chunk, [32 * w for w in qm.plane_words(bits)], dim=1)
+        planes = torch.split(chunk, [32 * w for w in ll.plane_words(bits)], dim=1)
         lane = torch.cat([p.reshape(lay.strips, 32, -1) for p in planes], dim=2)
         scales, z = chunk_scales(lay, c)
         stored[32 * c: 32 * c + 32] = ((lane_codes(lane, bits) - z).float() * scales).half()
@@ -98,7 +99,7 @@ def lane_dequant(lay: qm.LaneLayout) -> torch.Tensor:
     return w[:, :lay.n].T
 
 
-@pytest.mark.parametrize("bits", qm.WIDTHS)
+@pytest.mark.parametrize("bits", ll.WIDTHS)
 def test_unpacking_reads_back_the_packed_codes(bits):
     """reference.unpack_bits (one shift a code where codes never straddle words, a 64-bit window where they do)
     inverts pack_bits, signed words (top bit set) included; unpack_codes is it as uint8."""
@@ -109,7 +110,7 @@ def test_unpacking_reads_back_the_packed_codes(bits):
     assert torch.equal(reference.unpack_bits(words, bits, 90), codes[:90])
     short = words[:(45 * bits + 31) // 32]                    # a stream cut after its 45th code's last word
     assert torch.equal(reference.unpack_bits(short, bits, 45), codes[:45])
-    got = qm.unpack_codes(words, bits, 96)
+    got = ll.unpack_codes(words, bits, 96)
     assert got.dtype == torch.uint8 and torch.equal(got.long(), codes)
 
 
@@ -117,7 +118,7 @@ def test_unpacking_reads_back_the_packed_codes(bits):
 @pytest.mark.parametrize("k,n", [(416, 96), (96, 517)])
 def test_exl2_lane_layout_reads_back_the_reference_weight(mix, k, n):
     w = synthetic.random_exl2(k, n, mix, seed=k + n)
-    assert torch.equal(lane_dequant(qm.exl2_layout(w)), w.dequantize())
+    assert torch.equal(lane_dequant(ll.exl2_layout(w)), w.dequantize())
 
 
 def test_an_exl2_layout_for_another_device_reads_nothing_back_from_it():
@@ -126,7 +127,7 @@ def test_an_exl2_layout_for_another_device_reads_nothing_back_from_it():
     device any read back (.cpu(), .tolist()) or mix of devices raises; the layout is the CPU one's shape for shape."""
     from exl_backends.model.linear import QuantLinear
     w = synthetic.random_exl2(4128, 517, "0.05:8b_32g/0.1:6b_32g/0.1:5b_64g/0.45:4b_128g/0.2:3b_64g/0.1:2b_64g", seed=5)
-    cpu, meta = qm.exl2_layout(w), qm.exl2_layout(w, torch.device("meta"))
+    cpu, meta = ll.exl2_layout(w), ll.exl2_layout(w, torch.device("meta"))
     for name in ("words", "chunk_meta", "meta0", "perm"):
         a, b = getattr(cpu, name), getattr(meta, name)
         assert (a is None) == (b is None)
@@ -141,7 +142,7 @@ def test_stored_places_put_x_where_stage_xs_puts_it(mix):
     """QuantMatmul.stored_x's places (where the op before writes one row of x for the one-row kernel) give
     stage_xs's staged row: stored row k holds x[perm[k]], times 2^-4 on 4-bit chunks' rows with (k >> 1) & 1."""
     w = synthetic.random_exl2(416, 96, mix, seed=7)
-    lay = qm.exl2_layout(w)
+    lay = ll.exl2_layout(w)
     assert lay.perm is not None                                # act-order: the places are not the identity
     x = torch.randn(lay.k, generator=torch.Generator().manual_seed(1)).half()
     places = qm.stored_places(lay).long()
@@ -159,7 +160,7 @@ def test_exl2_lane_layout_of_a_real_exllamav2_checkpoint():
     for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "model.layers.1.self_attn.q_proj": (256, 256),
                         "lm_head": (256, 512)}.items():
         w = exl2.load(store, key, k, n)
-        assert torch.equal(lane_dequant(qm.exl2_layout(w)), w.dequantize()), key
+        assert torch.equal(lane_dequant(ll.exl2_layout(w)), w.dequantize()), key
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -167,19 +168,19 @@ def test_exl2_lane_layout_of_a_real_exllamav2_checkpoint():
                                                           (128, True, True, True), (-1, False, False, True)])
 def test_gptq_lane_layout_reads_back_the_reference_weight(bits, group_size, act_order, sym, v2):
     w = synthetic.random_gptq(416, 128 if bits == 3 else 80, bits, group_size, act_order, sym, seed=bits, v2=v2)
-    lay = qm.gptq_layout(w)
+    lay = ll.gptq_layout(w)
     assert torch.equal(lane_dequant(lay), w.dequantize())
     assert (lay.perm is None) == (not act_order)
 
 
 def test_gptq_groups_that_are_not_whole_chunks_are_refused():
     w = synthetic.random_gptq(96, 64, 4, 16, False, True)
-    with pytest.raises(qm.UnsupportedFormatError, match="multiples of 32"):
-        qm.gptq_layout(w)
+    with pytest.raises(ll.UnsupportedFormatError, match="multiples of 32"):
+        ll.gptq_layout(w)
 
 
 def test_pair_bits_use_every_bit_of_a_lanes_words_once():
-    for bits, table in qm.PAIR_BITS.items():
+    for bits, table in ll.PAIR_BITS.items():
         used = sorted(p + 16 * e for pair in table for p in pair for e in range(2))
         assert used == list(range(32 * bits)), bits
         for pair in table:      # the kernel turns a pair into a half2: the low code sits in the low 16 bits
@@ -204,7 +205,7 @@ def test_x_tile_rows_start_eight_banks_apart():
 
 @pytest.mark.parametrize("rows", [1, 2, 9, 16])
 def test_small_m_plans_run_in_one_wave_within_limits(rows):
-    lays = [qm.exl2_layout(synthetic.random_exl2(4096, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (256, 96)]
+    lays = [ll.exl2_layout(synthetic.random_exl2(4096, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (256, 96)]
     counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
     plan = qm.plan_small(lays, [None, None], counters, rows, 132, HOPPER_SLOTS)
     p = plan.params
@@ -217,7 +218,7 @@ def test_small_m_plans_run_in_one_wave_within_limits(rows):
     longest = max(int(np.diff(p["part"]["split_chunk"][i, :int(p["part"]["n_splits"][i]) + 1]).max())
                   for i in range(2))
     assert plan.smem == 8 * longest and int(p["meta_smem"]) == 0
-    assert plan.kernel == qm.MATMUL_KERNELS[qm.Format.EXL2, 1 if rows == 1 else 8 if rows <= 8 else 16]
+    assert plan.kernel == qm.MATMUL_KERNELS[ll.Format.EXL2, 1 if rows == 1 else 8 if rows <= 8 else 16]
     assert plan.blocks <= planning.RESIDENT_BLOCKS[qm.rows_class(rows)] * 132   # one wave
     block0, ws = 0, 0
     for i, lay in enumerate(lays):
@@ -255,7 +256,7 @@ def test_one_row_plans_take_a_cluster_sized_split_where_the_model_rates_it_faste
     """planning.clustered_splits: the 1B shape's q/k/v (K 2048, 3 parts), which the planner alone splits 11 ways,
     takes a split count a cluster can hold once the counters' tail is counted, of the sizes whose clusters the GPU
     runs all at once; with no clusters the planner's own."""
-    lays = [qm.exl2_layout(synthetic.random_exl2(2048, n, "4b_128g", seed=n)) for n in (2048, 512, 512)]
+    lays = [ll.exl2_layout(synthetic.random_exl2(2048, n, "4b_128g", seed=n)) for n in (2048, 512, 512)]
     counters = [torch.zeros(lay.strips, dtype=torch.int32) for lay in lays]
     hopper = qm.plan_small(lays, [None] * 3, counters, 1, 132, HOPPER_SLOTS)
     ampere = qm.plan_small(lays, [None] * 3, counters, 1, 132, {})
@@ -309,7 +310,7 @@ def test_the_models_reduction_round_is_the_kernels():
 
 
 def test_planner_prefers_one_full_wave():
-    lay = qm.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
+    lay = ll.exl2_layout(synthetic.random_exl2(4096, 4096, "4b_128g"))
     assert qm.choose_splits([lay], 1, 132, 3, 1) == [24]       # 16 column blocks: 384 of 396 slots, not 400
 
 
@@ -374,19 +375,19 @@ def test_wgmma_shared_a_meets_the_descriptors_canonical_layout():
 
 @pytest.mark.parametrize("n,splits", [(14336, 2), (4096, 8), (517, 16)])
 def test_wgmma_plans_fill_one_wave_of_one_block_per_sm(n, splits):
-    lay = qm.exl2_layout(synthetic.random_exl2(4096, n, "4b_128g", seed=n))
+    lay = ll.exl2_layout(synthetic.random_exl2(4096, n, "4b_128g", seed=n))
     plan = qm.plan_wgmma([lay], [None], n_sm=132)
     p = plan.params
     assert plan.kernel == "exl2_wgmma" and int(p["row_groups"]) == 1 and int(p["m_tiles"]) == 1
     assert int(p["part"][0]["n_splits"]) == splits and plan.blocks == -(-lay.strips // qm.WARPS) * splits <= 132
-    decoded = qm.WGMMA_DEPTH * qm.WARPS * qm.CHUNK * qm.STRIP * 2
+    decoded = qm.WGMMA_DEPTH * qm.WARPS * qm.CHUNK * ll.STRIP * 2
     assert plan.smem == int(p["ring_smem"]) + qm.WGMMA_STAGES * qm.WGMMA_ROWS * qm.CHUNK * 2 + decoded
     assert plan.smem <= 99 * 1024
 
 
 @pytest.mark.parametrize("rows", [17, 64, 65, 208, 256, 512])
 def test_gemm_plans_split_k_to_fill_the_gpu_within_limits(rows):
-    lays = [qm.exl2_layout(synthetic.random_exl2(4128, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (517, 96)]
+    lays = [ll.exl2_layout(synthetic.random_exl2(4128, n, "0.05:8b_32g/0.95:4b_128g", seed=n)) for n in (517, 96)]
     shape = qm.gemm_shape(rows)
     plan = qm.plan_gemm(lays, [None, None], shape, n_sm=132)
     p = plan.params
@@ -498,14 +499,14 @@ def harness(tmp_path_factory):
 
 def words_by_lane(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """lane_words of one chunk of one strip ([32, 32] codes) as each lane's words, [32 lanes, bits] (unsigned)."""
-    words = qm.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
-    planes = torch.split(words[0], [32 * w for w in qm.plane_words(bits)])
+    words = ll.lane_words(codes, bits).long() & 0xFFFFFFFF               # [1 strip, 32 * bits]
+    planes = torch.split(words[0], [32 * w for w in ll.plane_words(bits)])
     return torch.cat([p.reshape(32, -1) for p in planes], dim=1)
 
 
 def test_kernel_decodes_the_codes_the_repack_wrote(harness):
     gen = torch.Generator().manual_seed(0)
-    for bits in qm.WIDTHS:
+    for bits in ll.WIDTHS:
         codes = torch.randint(0, 2**bits, (32, 32), generator=gen)
         lane = words_by_lane(codes, bits)
         out = harness([f"P {bits} " + " ".join(map(str, lane[l].tolist())) for l in range(32)])
@@ -523,7 +524,7 @@ def test_kernel_decodes_the_codes_the_repack_wrote(harness):
 def test_kernel_encodes_a_lane_as_the_repack_does(harness):
     """dequant.cuh encode_lane (the GPU repack, lane_layout.cu) gives each lane the words lane_words gives it."""
     gen = torch.Generator().manual_seed(3)
-    for bits in qm.WIDTHS:
+    for bits in ll.WIDTHS:
         codes = torch.randint(0, 2**bits, (32, 32), generator=gen)
         out = harness([f"E {bits} " + " ".join(map(str, codes.reshape(-1).tolist()))])
         assert out == words_by_lane(codes, bits).tolist(), bits
@@ -553,9 +554,9 @@ def test_launch_parameters_match_the_kernels_structs(harness):
 def test_kernel_reads_scale_codes_and_zeros_of_its_columns(harness):
     gen = torch.Generator().manual_seed(1)
     nibbles = torch.randint(0, 16, (1, 32), generator=gen)
-    words = qm.exl2_scale_codes(reference.pack_bits(nibbles.T.contiguous(), 4).T.contiguous()).long() & 0xFFFFFFFF
+    words = ll.exl2_scale_codes(reference.pack_bits(nibbles.T.contiguous(), 4).T.contiguous()).long() & 0xFFFFFFFF
     out = harness([f"S {words[0, 0, g // 2].item()} {g}" for g in range(8)])
-    zeros = qm.lane_order(torch.randint(0, 256, (1, 32), generator=gen))          # [1, 1, 8, 4]
+    zeros = ll.lane_order(torch.randint(0, 256, (1, 32), generator=gen))          # [1, 1, 8, 4]
     zword = [int(sum(int(zeros[0, 0, g, j]) << 8 * j for j in range(4))) for g in range(8)]
     zout = harness([f"Z {zword[g]} {j}" for g in range(8) for j in range(4)])
     for g in range(8):
@@ -616,7 +617,7 @@ def test_the_gpu_repack_writes_the_cpu_repacks_words(mix):
     """lane_layout.cu (one launch a width) against lane_words (the specification), word for word, on odd shapes."""
     for k, n in ((416, 96), (96, 517), (4128, 517)):
         w = synthetic.random_exl2(k, n, mix, seed=k + n)
-        cpu, gpu = qm.exl2_layout(w), qm.exl2_layout(w, torch.device("cuda"))
+        cpu, gpu = ll.exl2_layout(w), ll.exl2_layout(w, torch.device("cuda"))
         assert gpu.words.is_cuda and torch.equal(gpu.words.cpu(), cpu.words), (mix, k, n)
         assert torch.equal(gpu.meta0.cpu(), cpu.meta0) and torch.equal(gpu.chunk_meta.cpu(), cpu.chunk_meta)
 
@@ -626,7 +627,7 @@ def test_the_gpu_repack_of_a_real_exllamav2_checkpoint():
     store = TensorStore(EXL2_FIXTURE)
     for key, (k, n) in {"model.layers.0.mlp.down_proj": (768, 256), "lm_head": (256, 512)}.items():
         w = exl2.load(store, key, k, n)
-        assert torch.equal(qm.exl2_layout(w, torch.device("cuda")).words.cpu(), qm.exl2_layout(w).words), key
+        assert torch.equal(ll.exl2_layout(w, torch.device("cuda")).words.cpu(), ll.exl2_layout(w).words), key
 
 
 @on_gpu
@@ -652,7 +653,7 @@ def test_exl2_matmul_gathers_x_in_several_rounds():
     read their perm indices after the wait, the first before it."""
     w = synthetic.random_exl2(8224, 17408, "0.05:8b_32g/0.95:4b_128g", seed=5)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    lay = qm.exl2_layout(w)
+    lay = ll.exl2_layout(w)
     splits = qm.small_blocks([lay], 1, n_sm)[1][0]            # the plan forward takes at one row
     assert 32 * len(lay.chunk_bits) / splits > 2048, splits
     check_matmul(w, 1, bias=False)
@@ -949,7 +950,7 @@ def test_gemm_exl2_every_width_and_mix(mix, m):
 @pytest.mark.parametrize("act_order", [True, False])
 def test_gemm_exl2_with_and_without_act_order(act_order):
     w = synthetic.random_exl2(4128, 264, "0.05:8b_32g/0.1:4b_128g/0.85:3b_128g", seed=4, act_order=act_order)
-    assert (qm.exl2_layout(w).perm is None) != act_order
+    assert (ll.exl2_layout(w).perm is None) != act_order
     check_gemm([w], 100, [None], seed=4)
 
 
