@@ -73,4 +73,4 @@ def unlink_norms(model) -> None:
     for unit in model.linears():
         kernel = getattr(unit, "kernel", None)
         if kernel is not None:
-            kernel.feeding = kernel.fed_by = None
+            kernel.feeding = kernel.fed_by = kernel.gating = None

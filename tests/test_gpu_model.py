@@ -94,10 +94,10 @@ def test_decode_attention_writes_the_o_projections_input_as_it_reads_it(cache_mo
 @pytest.mark.parametrize("path", ["exl2/llama_tiny_exl2_4.0bpw_h6", "exl2/qwen2_tiny_exl2_4.0bpw_h6",
                                   "exl2/llama_tiny_exl2_2.5bpw_h6", "gptq/llama_tiny_gptq4_g64"])
 def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
-    """A decode row's o and down leave the next norm's x in place (Model.link_norms, QuantMatmul.forward_feeding):
-    no stage_xs launch for the MLP's norm nor for the next block's but the first's; the logits are the staged
-    path's within fp16 rounding (the norm's scale after the matmul), its greedy token too, in eager steps and in a
-    graph's replays."""
+    """A decode row's o and down leave the next norm's x in place (Model.link_norms, QuantMatmul.forward_feeding),
+    and a fed gate/up down's (QuantMatmul.link_gating): no stage_xs launch for the MLP's norm, nor for the next
+    block's but the first's, nor for down where gate/up pair; the logits are the staged path's within fp16 rounding
+    (the norm's scale after the matmul), its greedy token too, in eager steps and in a graph's replays."""
     from exl_backends.kernels import quant_matmul as qm
     from exl_backends.model.batch import Batch, SeqChunk
     from exl_backends.model.cache import KVCache
@@ -114,7 +114,8 @@ def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
     fed = model.forward(step, cache)
     normed = [before for before in staged_launches if before[2] is not None]      # stage_xs with a norm weight
     head = getattr(model.lm_head, "kernel", None) is not None
-    assert len(normed) == 1 and len(staged_launches) == 1 + model.config.n_layers + head   # the downs', the head's
+    ungated = sum(b.mlp.gate_up.kernel.gating is None for b in model.blocks)     # downs staged by stage_xs
+    assert len(normed) == 1 and len(staged_launches) == 1 + ungated + head and ungated < model.config.n_layers
     replayed = Runner(model, cache, max_batch=1, max_pages=2, eager=False)
     assert all(torch.equal(replayed.forward(step), fed) for _ in range(2))
     unlink_norms(model)

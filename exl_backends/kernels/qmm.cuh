@@ -99,6 +99,7 @@ struct Chain {
     float eps, unscale;              // consumer: the norm's epsilon, 2^e
     int n_places;                    // producer: the consumer's parts
     int dim;                         // consumer: K (the norm's dimension)
+    int gated;                       // a gate/up launch writing fp16(silu(gate)) * up as down's x (PAIRED ENDS)
 };
 
 __device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }

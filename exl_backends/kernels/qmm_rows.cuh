@@ -431,11 +431,11 @@ __device__ __forceinline__ float warp_sum(float v)
 // Whether a one-row launch's chain asks for more than y.
 __device__ __forceinline__ bool chained(const Chain& ch) { return ch.x || ch.sums_in; }
 
-// The lines a warp's column end reads (STAGE-FREE NORM), copied into its shared memory by cp.async while it walks
-// (no registers held, no wait): the producer's w' and places before the wait, its residual after; the consumer's
-// first END_SUMS sums after the wait (more are read at the end).
+// The lines a warp's column end reads (STAGE-FREE NORM, PAIRED ENDS), copied into its shared memory by cp.async
+// while it walks (no registers held, no wait): a producer's places and w' before the wait, its residual after; a
+// consumer's first END_SUMS sums after the wait (more are read at the end). A gated launch is both.
 constexpr int END_SUMS = 128;
-union EndLines {
+struct EndLines {
     struct {
         int place[MAX_PARTS][32];
         half w[32], residual[32];
@@ -450,15 +450,32 @@ __device__ __forceinline__ void fetch_end(const Chain& ch, EndLines* end, int st
     if (ch.x && !after) {
         if (lane < 8 * ch.n_places)                  // 8 lanes a part's 32 places, 4 more the 32 weights
             copy_async16(&end->out.place[lane / 8][lane % 8 * 4], ch.places[lane / 8] + c0 + lane % 8 * 4, true);
-        else if (lane >= 24 && lane < 28)
+        else if (lane >= 24 && lane < 28 && ch.w)
             copy_async16(&end->out.w[(lane - 24) * 8], ch.w + c0 + (lane - 24) * 8, true);
-    } else if (ch.x) {
-        if (lane < 4) copy_async16(&end->out.residual[lane * 8], ch.residual + c0 + lane * 8, true);
-    } else if (ch.sums_in && after) {
+    }
+    if (ch.residual && after && lane < 4)
+        copy_async16(&end->out.residual[lane * 8], ch.residual + c0 + lane * 8, true);
+    if (ch.sums_in && after)
         for (int j = lane * 4; j < min(ch.dim / 32, END_SUMS); j += 128)
             copy_async16(&end->sums[j], ch.sums_in + j, true);
-    }
     copy_async_commit();
+}
+
+// A consumer's 2^e / rms from the sums in end (fetch_end's lines in; 1 for others). Every lane of the warp calls it.
+__device__ __forceinline__ float consumer_scale(const Chain& ch, const EndLines* end)
+{
+    if (!ch.sums_in) return 1.f;
+    float sq = 0.f;
+    for (int j = threadIdx.x % 32; j < ch.dim / 32; j += 32) sq += j < END_SUMS ? end->sums[j] : __ldg(ch.sums_in + j);
+    return ch.unscale * inverse_rms(warp_sum(sq), ch.dim, ch.eps);
+}
+
+// Column col's y = fp16(v + bias) from its sum over K (v, every split's), a consumer's v first scaled (scale:
+// consumer_scale's).
+__device__ __forceinline__ half column_value(const Chain& ch, const Part& pt, int col, float v, float scale)
+{
+    if (ch.sums_in) v *= scale;
+    return __float2half_rn(v + (col < pt.n ? bias_at(pt.bias, col) : 0.f));
 }
 
 // Column strip * 32 + lane of a one-row launch, its sum over K (v, every split's) in hand: y = fp16(v + bias), or
@@ -472,12 +489,7 @@ __device__ __forceinline__ void end_column(const Chain& ch, const EndLines* end,
         copy_async_wait<0>();                        // fetch_end's lines, every lane's
         __syncwarp();
     }
-    if (ch.sums_in) {
-        float sq = 0.f;
-        for (int j = lane; j < ch.dim / 32; j += 32) sq += j < END_SUMS ? end->sums[j] : __ldg(ch.sums_in + j);
-        v *= ch.unscale * inverse_rms(warp_sum(sq), ch.dim, ch.eps);
-    }
-    const half h = __float2half_rn(v + (in ? bias_at(pt.bias, col) : 0.f));
+    const half h = column_value(ch, pt, col, v, consumer_scale(ch, end));
     if (!ch.x) {
         if (in) y[col] = h;
         return;
@@ -495,6 +507,43 @@ __device__ __forceinline__ void end_column(const Chain& ch, const EndLines* end,
     }
     sq = warp_sum(sq);
     if (lane == 0) ch.sums[strip] = sq;
+}
+
+// PAIRED ENDS (one row; docs/megakernel.md "The down stage"): a gate/up launch fed by o (a consumer, STAGE-FREE
+//   NORM) whose ends write down's x themselves, so that no stage_xs launch sits between gate/up and down. Gate's
+//   strip s and up's strip s hold the same 32 intermediate columns; both parts count their arrivals on one counter
+//   a strip (every split partial written, even unsplit), and the last of the strip's n_splits(gate) + n_splits(up)
+//   warps sums both parts' partials in split order, forms gate and up as column_value would (fp16, bias), then
+//   x = fp16(silu(gate)) * up as stage_xs does (silu_mul) and stores it at down's place (times 2^-4 where bit 31 is
+//   set). Gate/up's own outputs are not written. The launch runs without clusters (a cluster holds one part's
+//   splits); its down x is then the staged path's bit for bit.
+template <int N8>
+__device__ __forceinline__ void finish_pair(const float (&acc)[2][N8][4], const Params& p, const Part& pt, int split,
+                                            int strip, float* ws, const Chain& ch, const EndLines* end)
+{
+    const int lane = threadIdx.x % 32, col = strip * 32 + lane;
+    const Part &gate = p.part[0], &up = p.part[1];
+    float* base = ws - pt.ws_offset;             // the launch's partials: part i's from part[i].ws_offset
+    float* mine = ws + (size_t)split * pt.np;
+    for_each_acc<N8, true>(acc, strip, 1, [&](float v, int, int c) { mine[c] = v; });
+    __syncwarp();                                // the warp's partials, then its arrival (release)
+    int done = 0;
+    if (lane == 0) done = arrive(pt.counters + strip);
+    done = __shfl_sync(FULL_MASK, done, 0);
+    if (done != gate.n_splits + up.n_splits - 1) return;
+    __syncwarp();                                // the strip's last warp: both parts' partials are in
+    copy_async_wait<0>();                        // fetch_end's lines, every lane's
+    __syncwarp();
+    float g = 0.f, u = 0.f;                      // reduce_splits' order: split 0 first
+    for (int s = 0; s < gate.n_splits; ++s) g += __ldcg(base + gate.ws_offset + (size_t)s * gate.np + col);
+    for (int s = 0; s < up.n_splits; ++s) u += __ldcg(base + up.ws_offset + (size_t)s * up.np + col);
+    const float scale = consumer_scale(ch, end);
+    const half x = silu_mul(column_value(ch, gate, col, g, scale), column_value(ch, up, col, u, scale));
+    if (col < gate.n) {
+        const int place = end->out.place[0][lane];
+        ch.x[place & 0x7fffffff] = __float2half_rn(__half2float(x) * (place < 0 ? 0.0625f : 1.f));
+    }
+    if (lane == 0) pt.counters[strip] = 0;      // (one counter for both parts)
 }
 
 // The warp's accumulators of its strip: y (+ bias) without splits, else the split's partials, and the strip's last
@@ -707,6 +756,11 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     stamps.at(2);
+    if constexpr (M1)
+        if (ch.gated) {
+            finish_pair<N8>(sink.acc, p, pt, split, strip, ws, ch, end_s + warp);
+            return;
+        }
     if constexpr (M1 && Fmt::CLUSTERS)
         if (C > 1) {
             cluster_finish<N8>(sink.acc, pt, strip, y, C, false, ch, end_s + warp);

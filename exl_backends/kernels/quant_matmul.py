@@ -106,8 +106,8 @@ PARAMS_DTYPE = np.dtype([("part", PART_DTYPE, (MAX_PARTS,)), ("n_parts", np.int3
 # qmm.cuh's Chain: what a one-row launch does at its end besides y (qmm_rows.cuh STAGE-FREE NORM; zeros: y alone)
 CHAIN_DTYPE = np.dtype([("x", np.uint64), ("places", np.uint64, (MAX_PARTS,)), ("residual", np.uint64),
                         ("new_residual", np.uint64), ("w", np.uint64), ("sums", np.uint64), ("sums_in", np.uint64),
-                        ("eps", np.float32), ("unscale", np.float32), ("n_places", np.int32), ("dim", np.int32)],
-                       align=True)
+                        ("eps", np.float32), ("unscale", np.float32), ("n_places", np.int32), ("dim", np.int32),
+                        ("gated", np.int32)], align=True)
 NO_CHAIN = np.zeros((), CHAIN_DTYPE)
 
 
@@ -297,6 +297,7 @@ class QuantMatmul:
         # front of this launch
         self.feeding: NormFeed | None = None
         self.fed_by: NormFeed | None = None
+        self.gating: Gating | None = None      # a fed gate/up's launch that stages down's x (link_gating)
         self.segment = None                     # the one-row launch pair as megakernel ops
         if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
             self.segment = megakernel.OneRowMatmul(self.plans[1], self.k, -(-self.k // CHUNK // WARPS), device)
@@ -452,6 +453,35 @@ class QuantMatmul:
         self._launch_small(1, feed.staged, ys, feed.consumer_chain)
         return ys
 
+    def link_gating(self, down: QuantMatmul) -> None:
+        """Makes this fed gate/up launch (two weights of equal width, fed_by set) stage down's one row of x itself,
+        fp16(silu(gate)) * up in down's stored order, so that no stage_xs launch sits between them (qmm_rows.cuh
+        PAIRED ENDS): forward_gated. Left unlinked where the two weights split K differently (the launch pairs their
+        strips) or down takes no stored x."""
+        lays, into = self.layouts, down.stored_x(1)
+        if self.fed_by is None or len(lays) != 2 or lays[0].n != lays[1].n or into is None or down.k != lays[0].n:
+            return
+        device = lays[0].words.device
+        strips_per_block, splits = small_blocks(lays, 1, torch.cuda.get_device_properties(device).multi_processor_count)
+        if splits[0] != splits[1]:
+            return
+        plan = staged_plan(lays, self.biases, [self.counters[0]] * 2, splits, 1, strips_per_block)   # one counter
+        if splits[0] == 1:                      # (every partial is written, unsplit too: part 1's after part 0's)
+            params = plan.params.copy()
+            params["part"]["ws_offset"][1] = lays[0].np_
+            plan = replace(plan, params=params, ws_floats=2 * lays[0].np_)
+        chain = self.fed_by.consumer_chain.copy()
+        chain["x"], chain["places"][0], chain["n_places"], chain["gated"] = _ptr(into[0]), _ptr(into[1]), 1, 1
+        self.gating = Gating(plan, chain, torch.empty(plan.ws_floats, dtype=torch.float32, device=device), into)
+
+    def forward_gated(self) -> Tensor:
+        """The fed row through gate/up, left as down's staged x (link_gating): returns down's stage buffer."""
+        g = self.gating
+        plan = g.plan
+        launch(FAMILY[plan.kernel], plan.kernel, grid=(plan.blocks,), block=(plan.threads,),
+               args=(plan.arg(), self.fed_by.staged, None, None, None, g.ws, g.chain), shared_mem=plan.smem)
+        return g.into[0]
+
     def _stage_buffer(self, rows: int, device: torch.device) -> Tensor:
         """The buffer stage_xs writes `rows` rows of x into (kept from call to call, one per rows class): each part's
         rows_class(rows) rows in stored order, then their corrections (written and read for more than one row only:
@@ -558,6 +588,16 @@ class NormFeed:
     sums: Tensor        # fp32 [K / 32] (padded to whole 16-byte vectors)
     producer_chain: np.ndarray      # CHAIN_DTYPE: the producer's launch's, less its residual and new residual
     consumer_chain: np.ndarray      # CHAIN_DTYPE: the consumer's launch's
+
+
+@dataclass
+class Gating:
+    """A gate/up launch that stages down's x (QuantMatmul.link_gating): its plan (gate's and up's strips on one
+    counter, no clusters), its chain, its split partials, and down's (stage buffer, places)."""
+    plan: Plan
+    chain: np.ndarray
+    ws: Tensor
+    into: tuple[Tensor, Tensor]
 
 
 def stored_places(lay: LaneLayout) -> Tensor:

@@ -30,12 +30,19 @@ class Mlp:
                    ops: Ops) -> tuple[Tensor | None, Tensor]:
         """(self(x), r) for x, r = ops.norm_residual(h, residual, w, eps): on CUDA the norm and the activation run
         inside the gate/up and down launches (FusedLinear.after_norm; h None: the launch before fed gate/up's x).
-        If down feeds the next block's norm (QuantMatmul.feeds), (None, r + self(x)) instead."""
-        (gate, up), residual = self.gate_up.after_norm(h, residual, w, eps, ops)
+        If down feeds the next block's norm (QuantMatmul.feeds), (None, r + self(x)) instead. A fed gate/up that
+        stages down's x itself (QuantMatmul.link_gating) goes straight on to down."""
         down = self.gated_down
-        if down is not None and down.feeds(gate.shape[0]):
-            return None, down.forward_feeding(down.stage_gated(gate, up), residual)
-        return self._down(gate, up, ops), residual
+        if h is None and self.gate_up.kernel.gating is not None:
+            staged = self.gate_up.kernel.forward_gated()
+        else:
+            (gate, up), residual = self.gate_up.after_norm(h, residual, w, eps, ops)
+            if down is None or not down.feeds(gate.shape[0]):
+                return self._down(gate, up, ops), residual
+            staged = down.stage_gated(gate, up)
+        if down.feeds(1):
+            return None, down.forward_feeding(staged, residual)
+        return down.forward_stored(staged), residual
 
     def _down(self, gate: Tensor, up: Tensor, ops: Ops) -> Tensor:
         if self.gated_down is not None:

@@ -110,8 +110,9 @@ class Model:
 
     def link_norms(self) -> None:
         """Where a decode row's one-row launch does the work of the norm after it (QuantMatmul.norm_feed: no launch
-        stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage.
-        Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or CPU layer."""
+        stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage; and
+        where a fed gate/up stages down's x itself (QuantMatmul.link_gating). Not where an output norm (Gemma 2/3)
+        or routed experts come between, nor into a dense or CPU layer."""
         eps = self.config.rms_norm_eps
         for stage in self.stages:
             for i in stage.layers:
@@ -119,6 +120,8 @@ class Model:
                 if b.attn_out_norm is not None or not isinstance(b.mlp, Mlp):
                     continue
                 _link(getattr(b.attention.o, "kernel", None), b.mlp.gate_up.kernel, b.post_attn_norm, eps)
+                if b.mlp.gated_down is not None and b.mlp.gate_up.kernel is not None:
+                    b.mlp.gate_up.kernel.link_gating(b.mlp.gated_down)
                 if i + 1 in stage.layers and b.mlp_out_norm is None:
                     after = self.blocks[i + 1]
                     _link(b.mlp.gated_down, after.attention.qkv.kernel, after.input_norm, eps)

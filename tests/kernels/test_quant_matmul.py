@@ -843,6 +843,45 @@ def test_a_launch_that_feeds_the_next_norm_gives_its_results_within_rounding(fmt
             assert rel(y, exact) <= max(1.5 * rel(e, exact), 1e-3), (rel(y, exact), rel(e, exact))
 
 
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("d", [2080, 96], ids=["split", "unsplit"])
+def test_a_fed_gate_up_stages_downs_x_as_stage_xs_does(fmt, d, monkeypatch):
+    """PAIRED ENDS: a gate/up launch fed by o's norm (STAGE-FREE NORM) that writes fp16(silu(gate)) * up into
+    down's stored order (gate's and up's strips on one counter, split or not, up with a bias) leaves down's x bit
+    for bit as the fed launch's outputs through stage_xs would, and down's output with it; twice (the shared
+    counter resets itself). Without clusters on both sides, so that both sum the same splits."""
+    monkeypatch.setattr(qm, "one_row_cluster_slots", lambda device: {})
+    cuda, n = torch.device("cuda"), 416
+    if fmt == "exl2":
+        o, gate, up = (synthetic.random_exl2(k, m, "0.05:8b_32g/0.95:4b_128g", seed=i)
+                       for i, (k, m) in enumerate([(416, d), (d, n), (d, n)]))
+        down = synthetic.random_exl2(n, d, "0.1:4b_64g/0.9:3b_64g", seed=3)
+    else:
+        o, gate, up, down = (synthetic.random_gptq(k, m, 4, 32, True, False, seed=i)
+                             for i, (k, m) in enumerate([(416, d), (d, n), (d, n), (n, d)]))
+    gen = torch.Generator().manual_seed(d)
+    up_bias = (torch.randn(n, generator=gen) * 0.1).half().cuda()
+    producer, down = qm.prepare(o.to(cuda), None), qm.prepare(down.to(cuda), None)
+    gate_up = qm.fuse([qm.prepare(gate.to(cuda), None), qm.prepare(up.to(cuda), up_bias)])
+    w = (torch.rand(d, generator=gen) * 2.5 + 0.25).half().cuda()
+    producer.feeding = gate_up.fed_by = gate_up.norm_feed(w, 1e-5)
+    gate_up.link_gating(down)
+    assert gate_up.gating is not None and gate_up.gating.plan.cluster == 1
+    assert (int(gate_up.gating.plan.params["part"]["n_splits"][0]) > 1) == (d > 96)
+    x, residual = torch.randn(1, 416, generator=gen).half().cuda(), (torch.randn(1, d, generator=gen) * 4).half().cuda()
+    staged = down.stored_x(1)[0]
+    for _ in range(2):
+        producer.forward_feeding(producer._stage(x, 1, qm.PLAIN), residual)
+        expected_x = down.stage_gated(*gate_up.forward_fed()).clone()
+        expected_y = down.forward_stored(staged)
+        poison_allocator()
+        staged[:n].fill_(float("nan"))
+        producer.forward_feeding(producer._stage(x, 1, qm.PLAIN), residual)
+        assert gate_up.forward_gated() is staged
+        assert torch.equal(staged[:n], expected_x[:n]) and torch.equal(down.forward_stored(staged), expected_y)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
