@@ -1,5 +1,5 @@
-"""The block's ops on CUDA, with the signatures of ops.REFERENCE_OPS: the kernels of this folder, plus two torch
-ops that need no kernel of their own (the embedding gather, and the cos/sin tables computed once per forward).
+"""The block's ops on CUDA, with the signatures of ops.REFERENCE_OPS: the kernels of this folder, plus one torch
+op that needs no kernel of its own (the embedding gather).
 A plain mapping of ops.Ops' fields: ops.py bundles it (kernels import nothing of the model above them)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ OPS = dict(
     embedding=reference.embedding,
     rmsnorm=norm.rmsnorm,
     add_rmsnorm=norm.add_rmsnorm,
-    rope_cos_sin=reference.rope_cos_sin,
+    rope_cos_sin=rope.rope_cos_sin,
     apply_rope=rope.apply_rope,
     silu_mul=activation.silu_mul,
     paged_attention=attention.paged_attention,

@@ -20,9 +20,10 @@ from . import driver
 
 KERNEL_DIR = Path(__file__).resolve().parent
 MIN_CC = (7, 5)
-# Families compiled without --use_fast_math, so that their tanhf is the libdevice one torch's kernels call and rounds
-# as their references do (fast math turns tanhf into the hardware's tanh.approx, relative error ~2^-11).
-PRECISE_FAMILIES = frozenset({"activation"})
+# Families compiled without --use_fast_math, so that their tanhf, cosf and sinf are the libdevice ones torch's kernels
+# call and round as their references do (fast math turns them into the hardware's approximations: tanh.approx,
+# relative error ~2^-11; cos.approx and sin.approx, absolute error ~2^-21 on [-pi, pi], worse beyond).
+PRECISE_FAMILIES = frozenset({"activation", "rope"})
 PDL_CC = (9, 0)
 # Families whose every kernel calls exl::pdl_wait before reading another kernel's output (common.cuh), so they may
 # be launched with programmatic dependent launch (driver.py) on sm_90+. EXL_PDL=0 turns it off (A/B, debugging).

@@ -84,7 +84,7 @@ class DecodeGraph:
             cu_seqlens=torch.arange(size + 1, dtype=torch.int32, device=dev) * tokens,
             seq_lens=seq_lens,
             block_tables=tables.view(size, max_pages),
-            logit_rows=rows,
+            logit_rows=None,            # every row, so Model.logits gathers none (two launches less a step)
             page_size=ps,
             row_seq=None if tokens == 1 else (rows // tokens).to(torch.int32))
         self.graphs: list[torch.cuda.CUDAGraph] = []
