@@ -461,9 +461,13 @@ __device__ __forceinline__ void fetch_end(const Chain& ch, EndLines* end, int st
     copy_async_commit();
 }
 
-// A consumer's 2^e / rms from the sums in end (fetch_end's lines in; 1 for others). Every lane of the warp calls it.
-__device__ __forceinline__ float consumer_scale(const Chain& ch, const EndLines* end)
+// What a chained warp does as soon as its walk is over, ahead of the wait for the strip's other splits (the
+// cluster barrier, the counter), where the strip's end would wait for it: fetch_end's lines in (every lane's), and
+// the consumer's 2^e / rms (1 for others).
+__device__ __forceinline__ float end_scale(const Chain& ch, const EndLines* end)
 {
+    copy_async_wait<0>();
+    __syncwarp();
     if (!ch.sums_in) return 1.f;
     float sq = 0.f;
     for (int j = threadIdx.x % 32; j < ch.dim / 32; j += 32) sq += j < END_SUMS ? end->sums[j] : __ldg(ch.sums_in + j);
@@ -471,7 +475,7 @@ __device__ __forceinline__ float consumer_scale(const Chain& ch, const EndLines*
 }
 
 // Column col's y = fp16(v + bias) from its sum over K (v, every split's), a consumer's v first scaled (scale:
-// consumer_scale's).
+// end_scale's).
 __device__ __forceinline__ half column_value(const Chain& ch, const Part& pt, int col, float v, float scale)
 {
     if (ch.sums_in) v *= scale;
@@ -479,17 +483,13 @@ __device__ __forceinline__ half column_value(const Chain& ch, const Part& pt, in
 }
 
 // Column strip * 32 + lane of a one-row launch, its sum over K (v, every split's) in hand: y = fp16(v + bias), or
-// as ch says (STAGE-FREE NORM). Every lane of the warp calls it.
-__device__ __forceinline__ void end_column(const Chain& ch, const EndLines* end, const Part& pt, int strip, float v,
-                                           half* y)
+// as ch says (STAGE-FREE NORM; scale: end_scale's). Every lane of the warp calls it.
+__device__ __forceinline__ void end_column(const Chain& ch, const EndLines* end, float scale, const Part& pt,
+                                           int strip, float v, half* y)
 {
     const int lane = threadIdx.x % 32, col = strip * 32 + lane;
     const bool in = col < pt.n;
-    if (chained(ch)) {
-        copy_async_wait<0>();                        // fetch_end's lines, every lane's
-        __syncwarp();
-    }
-    const half h = column_value(ch, pt, col, v, consumer_scale(ch, end));
+    const half h = column_value(ch, pt, col, v, scale);
     if (!ch.x) {
         if (in) y[col] = h;
         return;
@@ -519,7 +519,7 @@ __device__ __forceinline__ void end_column(const Chain& ch, const EndLines* end,
 //   splits); its down x is then the staged path's bit for bit.
 template <int N8>
 __device__ __forceinline__ void finish_pair(const float (&acc)[2][N8][4], const Params& p, const Part& pt, int split,
-                                            int strip, float* ws, const Chain& ch, const EndLines* end)
+                                            int strip, float* ws, const Chain& ch, const EndLines* end, float scale)
 {
     const int lane = threadIdx.x % 32, col = strip * 32 + lane;
     const Part &gate = p.part[0], &up = p.part[1];
@@ -532,12 +532,9 @@ __device__ __forceinline__ void finish_pair(const float (&acc)[2][N8][4], const 
     done = __shfl_sync(FULL_MASK, done, 0);
     if (done != gate.n_splits + up.n_splits - 1) return;
     __syncwarp();                                // the strip's last warp: both parts' partials are in
-    copy_async_wait<0>();                        // fetch_end's lines, every lane's
-    __syncwarp();
     float g = 0.f, u = 0.f;                      // reduce_splits' order: split 0 first
     for (int s = 0; s < gate.n_splits; ++s) g += __ldcg(base + gate.ws_offset + (size_t)s * gate.np + col);
     for (int s = 0; s < up.n_splits; ++s) u += __ldcg(base + up.ws_offset + (size_t)s * up.np + col);
-    const float scale = consumer_scale(ch, end);
     const half x = silu_mul(column_value(ch, gate, col, g, scale), column_value(ch, up, col, u, scale));
     if (col < gate.n) {
         const int place = end->out.place[0][lane];
@@ -551,7 +548,7 @@ __device__ __forceinline__ void finish_pair(const float (&acc)[2][N8][4], const 
 template <int N8, bool M1>
 __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part& pt, int split, int strip, int M,
                                        half* y, float* ws, int ws_rows, int* counters, const Stamps& stamps = {},
-                                       const Chain& ch = Chain{}, const EndLines* end = nullptr)
+                                       const Chain& ch = Chain{}, const EndLines* end = nullptr, float scale = 1.f)
 {
     const int lane = threadIdx.x % 32;
     const int N = pt.n, Np = pt.np;
@@ -560,7 +557,7 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
         const float v00 = __shfl_sync(FULL_MASK, acc[0][0][0], from), v02 = __shfl_sync(FULL_MASK, acc[0][0][2], from);
         const float v10 = __shfl_sync(FULL_MASK, acc[1][0][0], from), v12 = __shfl_sync(FULL_MASK, acc[1][0][2], from);
         const bool h = lane % 16 >= 8;
-        end_column(ch, end, pt, strip, lane < 16 ? (h ? v02 : v00) : (h ? v12 : v10), y);
+        end_column(ch, end, scale, pt, strip, lane < 16 ? (h ? v02 : v00) : (h ? v12 : v10), y);
         return;
     }
     if (pt.n_splits == 1) {
@@ -583,7 +580,7 @@ __device__ __forceinline__ void finish(const float (&acc)[2][N8][4], const Part&
         if (chained(ch)) {
             float sum = 0.f;                     // reduce_splits' order: split 0 first
             for (int s = 0; s < pt.n_splits; ++s) sum += __ldcg(ws + (size_t)s * ws_rows * Np + strip * 32 + lane);
-            end_column(ch, end, pt, strip, sum, y);
+            end_column(ch, end, scale, pt, strip, sum, y);
         } else {
             reduce_splits<1, REDUCE_LOADS>(ws, y, pt.bias, M, N, Np, ws_rows, pt.n_splits, strip * 32 + lane);
         }
@@ -695,7 +692,7 @@ __device__ __forceinline__ float cluster_load(const float* v, unsigned rank)
 template <int N8>
 __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], const Part& pt, int strip, half* y,
                                                unsigned C, bool idle, const Chain& ch = Chain{},
-                                               const EndLines* end = nullptr)
+                                               const EndLines* end = nullptr, float scale = 1.f)
 {
     __shared__ float sums_s[WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -706,7 +703,7 @@ __device__ __forceinline__ void cluster_finish(const float (&acc)[2][N8][4], con
     if (!idle && warp % C == cluster_rank()) {
         float sum = 0.f;                             // reduce_splits' order: split 0 first
         for (unsigned s = 0; s < C; ++s) sum += cluster_load(&sums_s[warp][lane], s);
-        end_column(ch, end, pt, strip, sum, y);
+        end_column(ch, end, scale, pt, strip, sum, y);
     }
     __syncwarp();
     cluster_barrier();
@@ -756,19 +753,20 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     walk<Fmt>(pt, strip, split, meta_s, st, lane, sink);
     sink.flush();
     stamps.at(2);
+    const float scale = chained(ch) ? end_scale(ch, end_s + warp) : 1.f;
     if constexpr (M1)
         if (ch.gated) {
-            finish_pair<N8>(sink.acc, p, pt, split, strip, ws, ch, end_s + warp);
+            finish_pair<N8>(sink.acc, p, pt, split, strip, ws, ch, end_s + warp, scale);
             return;
         }
     if constexpr (M1 && Fmt::CLUSTERS)
         if (C > 1) {
-            cluster_finish<N8>(sink.acc, pt, strip, y, C, false, ch, end_s + warp);
+            cluster_finish<N8>(sink.acc, pt, strip, y, C, false, ch, end_s + warp, scale);
             stamps.at(3);
             stamps.emit(1, p.n_parts, p.K, local);
             return;
         }
-    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps, ch, end_s + warp);
+    finish<N8, M1>(sink.acc, pt, split, strip, M, y, ws, M, counters, stamps, ch, end_s + warp, scale);
     stamps.at(3);
     stamps.emit(1, p.n_parts, p.K, local);
 }
