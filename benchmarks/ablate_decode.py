@@ -31,6 +31,18 @@ def _no_matmul_normed(self, h, residual, w, eps):
     return _no_matmul(self, h), h
 
 
+def _no_matmul_stored(self, staged):             # o reading attention's output as written (forward_stored)
+    return torch.empty(1, self.layouts[0].n, dtype=torch.float16, device=staged.device)
+
+
+def _no_matmul_feeding(self, staged, residual):   # o and down doing the next norm's work (forward_feeding)
+    return torch.empty_like(residual)
+
+
+def _no_matmul_fed(self):                         # gate/up and q/k/v after them (forward_fed)
+    return [torch.empty(1, lay.n, dtype=torch.float16, device=self.fed_by.sums.device) for lay in self.layouts]
+
+
 def _no_stage(self, x, rows, before):
     cls = quant_matmul.rows_class(rows)
     if cls not in self.staged:          # QuantMatmul._stage's buffer: x rows per part, then float2 corrections
@@ -41,9 +53,12 @@ def _no_stage(self, x, rows, before):
 
 OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-free stand-in
     "attention": dict(rope_attention=lambda q, *a, **k: torch.empty_like(q)),   # with RoPE and the cache write
-}   # (add_rmsnorm in front of q/k/v and gate/up, and silu_mul: applied by the stage_xs of the matmul after them)
+}   # (add_rmsnorm in front of q/k/v and gate/up: for a decode row done by the matmuls on either side of it, else
+#    by the stage_xs of the matmul after it, as silu_mul is)
 CLASS_LEFT_OUT = {"stage_xs": {"_stage": _no_stage},      # family -> QuantMatmul's methods replaced
-                  "matmul": {"forward": _no_matmul, "forward_normed": _no_matmul_normed}}
+                  "matmul": {"forward": _no_matmul, "forward_normed": _no_matmul_normed,
+                             "forward_stored": _no_matmul_stored, "forward_feeding": _no_matmul_feeding,
+                             "forward_fed": _no_matmul_fed}}
 
 
 @contextlib.contextmanager
