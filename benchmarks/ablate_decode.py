@@ -43,6 +43,10 @@ def _no_matmul_fed(self):                         # gate/up and q/k/v after them
     return [torch.empty(1, lay.n, dtype=torch.float16, device=self.fed_by.sums.device) for lay in self.layouts]
 
 
+def _no_matmul_gated(self):                       # gate/up writing down's x (forward_gated)
+    return self.gating.into[0]
+
+
 def _no_stage(self, x, rows, before):
     cls = quant_matmul.rows_class(rows)
     if cls not in self.staged:          # QuantMatmul._stage's buffer: x rows per part, then float2 corrections
@@ -58,7 +62,7 @@ OPS_LEFT_OUT = {          # family -> the Ops fields replaced, each by a launch-
 CLASS_LEFT_OUT = {"stage_xs": {"_stage": _no_stage},      # family -> QuantMatmul's methods replaced
                   "matmul": {"forward": _no_matmul, "forward_normed": _no_matmul_normed,
                              "forward_stored": _no_matmul_stored, "forward_feeding": _no_matmul_feeding,
-                             "forward_fed": _no_matmul_fed}}
+                             "forward_fed": _no_matmul_fed, "forward_gated": _no_matmul_gated}}
 
 
 @contextlib.contextmanager
