@@ -437,6 +437,30 @@ struct NewToken {
     const long long* slots;
 };
 
+// Into L2 ahead of the wait, for a launch that writes the row's new key itself (NewToken): the key and value rows of
+// this kv head for keys t_begin .. t_stop - 1, all older than the new one (t_stop <= its position). Each was written
+// by an earlier step, and a step's first launch waits for all the work before it (a graph's replay, or the step's
+// input copies), so none of these lines is still being written: unlike the prompt rows' tiles, whose keys the kernel
+// just before writes (docs/attention.md). Only where every 128-byte line belongs to one slot (a slot's rows of all
+// heads whole lines), so that no line holds a byte of the new key's slot; quantized caches' scales are left out (two
+// slots share a line of them).
+template <int DH, int K_BITS, int V_BITS>
+__device__ __forceinline__ void prefetch_old_keys(const unsigned char* k_cache, const unsigned char* v_cache,
+                                                  int kv_head, int n_kv_heads, const int* table, int page_size,
+                                                  int t_begin, int t_stop, int tid) {
+    constexpr int K_ROW = DH * K_BITS / 8, V_ROW = DH * V_BITS / 8;          // bytes of one key's row of a head
+    constexpr int K_LINES = (K_ROW + 127) / 128, LINES = K_LINES + (V_ROW + 127) / 128;
+    if (n_kv_heads * K_ROW % 128 || n_kv_heads * V_ROW % 128) return;
+    for (int i = tid; i < (t_stop - t_begin) * LINES; i += THREADS) {
+        const int t = t_begin + i / LINES, line = i % LINES;
+        const size_t s = (size_t)__ldcg(table + t / page_size) * page_size + t % page_size;
+        const unsigned char* at = line < K_LINES
+            ? k_cache + (s * n_kv_heads + kv_head) * K_ROW + 128 * line
+            : v_cache + (s * n_kv_heads + kv_head) * V_ROW + 128 * (line - K_LINES);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+    }
+}
+
 // RoPE on kv head kv_head's key of the row's new token, then its key and value into the cache at the token's slot,
 // as rope_kv_write does: fp16 rows, each thread a pair of elements; quantized, a warp per 64-element chunk (warps
 // 0 .. DH/64 - 1 the key's, the next ones the value's).
@@ -522,8 +546,9 @@ __device__ __forceinline__ void paged_decode(
     // Before pdl_wait: the row's key range. row_seq, positions and seq_lens come from the host or torch's ops, never
     // from a kernel of ours, so they are complete before the chain of dependent launches starts (common.cuh); q and
     // the cache's newest keys are not. They are read past L1 (__ldcg): before the wait, an SM's L1 may still hold an
-    // earlier step's lines of them. Not the key tiles, not even as L2 prefetches: with those issued here, prompt rows
-    // read stale keys of the kernel before (docs/attention.md).
+    // earlier step's lines of them. The key tiles only as L2 prefetches, and only the keys older than the new one
+    // that this launch writes (prefetch_old_keys): prompt rows' tiles, prefetched here, read stale keys of the kernel
+    // before (docs/attention.md).
     const int seq = row_seq ? __ldcg(row_seq + row) : row;
     const long long pos = __ldcg(positions + row);
     const int n_keys = (int)min((long long)__ldcg(seq_lens + seq), pos + 1);
@@ -551,6 +576,10 @@ __device__ __forceinline__ void paged_decode(
                       n_kv_heads * DH / 32};
     const int* table = block_tables + (size_t)seq * max_pages;
     int t0 = t_begin + slot * S::KT;
+    if (nt.k)                  // the block's first round of tiles, less the new key
+        prefetch_old_keys<DH, K_BITS, V_BITS>(k_cache, v_cache, kv_head, n_kv_heads, table, page_size, t_begin,
+                                              (int)min((long long)min(t_end, t_begin + S::TILE_SLOTS * S::KT), pos),
+                                              tid);
     exl::pdl_wait();           // q and the newest keys come from the kernels before
 
     // fp16 K: lane (g, qd) loads head g's k elements (the pieces of the warp's part of a key row) straight into its
