@@ -587,6 +587,12 @@ __device__ __forceinline__ void paged_decode(
     const bool rope = nt.k != nullptr;
     const bool staged = K_BITS != 16 || rope;
     const bool writes = rope && pos >= t_begin && pos < t_end;   // the block whose split holds the new key
+    // the warp's first tile is in flight while the queries are staged; in the writing block, after its writes
+    // (and the barrier below) only where the tile reaches the new key: the others hold older keys alone, which
+    // prefetch_old_keys has brought into L2
+    Tile<S> tile;
+    const bool early = !writes || t0 + S::KT <= pos;
+    if (early && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
     const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
     unsigned qb[S::STEPS][2];
     float q_reg[Q_PER_THREAD];
@@ -617,9 +623,6 @@ __device__ __forceinline__ void paged_decode(
             write_new_token<DH, K_BITS, V_BITS>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, k_scales, v_scales);
     }
 
-    // the warp's first tile is in flight while the queries are staged (the writing block's after its writes)
-    Tile<S> tile;
-    if (!writes && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
     // the queries (quantized K: rotated, R(q)/32) as fp16 B fragments: lane (g, qd) holds head g's k elements
     if (staged) {
@@ -646,7 +649,7 @@ __device__ __forceinline__ void paged_decode(
                                        smem.q[g][dim0 + k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 1))]);
         __syncthreads();   // smem.q is reused for P
     }
-    if (writes && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
+    if (!early && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
     State<S> st;
 #pragma unroll
