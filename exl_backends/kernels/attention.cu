@@ -442,12 +442,12 @@ struct NewToken {
 // by an earlier step, and a step's first launch waits for all the work before it (a graph's replay, or the step's
 // input copies), so none of these lines is still being written: unlike the prompt rows' tiles, whose keys the kernel
 // just before writes (docs/attention.md). Only where every 128-byte line belongs to one slot (a slot's rows of all
-// heads whole lines), so that no line holds a byte of the new key's slot; quantized caches' scales are left out (two
-// slots share a line of them).
+// heads whole lines), so that no line holds a byte of the new key's slot. Taken for fp16 caches (EARLY, below).
 template <int DH, int K_BITS, int V_BITS>
 __device__ __forceinline__ void prefetch_old_keys(const unsigned char* k_cache, const unsigned char* v_cache,
                                                   int kv_head, int n_kv_heads, const int* table, int page_size,
                                                   int t_begin, int t_stop, int tid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900   // (before: no dependent launch to hide it behind)
     constexpr int K_ROW = DH * K_BITS / 8, V_ROW = DH * V_BITS / 8;          // bytes of one key's row of a head
     constexpr int K_LINES = (K_ROW + 127) / 128, LINES = K_LINES + (V_ROW + 127) / 128;
     if (n_kv_heads * K_ROW % 128 || n_kv_heads * V_ROW % 128) return;
@@ -459,6 +459,7 @@ __device__ __forceinline__ void prefetch_old_keys(const unsigned char* k_cache, 
             : v_cache + (s * n_kv_heads + kv_head) * V_ROW + 128 * (line - K_LINES);
         asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
     }
+#endif
 }
 
 // RoPE on kv head kv_head's key of the row's new token, then its key and value into the cache at the token's slot,
@@ -576,7 +577,7 @@ __device__ __forceinline__ void paged_decode(
                       n_kv_heads * DH / 32};
     const int* table = block_tables + (size_t)seq * max_pages;
     int t0 = t_begin + slot * S::KT;
-    if (nt.k)                  // the block's first round of tiles, less the new key
+    if (K_BITS == 16 && nt.k)  // the block's first round of tiles, less the new key (fp16 caches: see EARLY)
         prefetch_old_keys<DH, K_BITS, V_BITS>(k_cache, v_cache, kv_head, n_kv_heads, table, page_size, t_begin,
                                               (int)min((long long)min(t_end, t_begin + S::TILE_SLOTS * S::KT), pos),
                                               tid);
@@ -587,11 +588,13 @@ __device__ __forceinline__ void paged_decode(
     const bool rope = nt.k != nullptr;
     const bool staged = K_BITS != 16 || rope;
     const bool writes = rope && pos >= t_begin && pos < t_end;   // the block whose split holds the new key
-    // the warp's first tile is in flight while the queries are staged; in the writing block, after its writes
-    // (and the barrier below) only where the tile reaches the new key: the others hold older keys alone, which
-    // prefetch_old_keys has brought into L2
+    // fp16 K and V: the warp's first tile is in flight while the queries are staged; in the writing block, after its
+    // writes (and the barrier below) only where the tile reaches the new key: the others hold older keys alone, which
+    // prefetch_old_keys has brought into L2. Quantized caches load as before both (measured, H100 2026-12-07: with
+    // them the 8B shape's q4 step was 2-6 % slower, the 1B's 1-2 % faster; docs/attention.md).
+    constexpr bool EARLY = K_BITS == 16;
     Tile<S> tile;
-    const bool early = !writes || t0 + S::KT <= pos;
+    const bool early = EARLY && (!writes || t0 + S::KT <= pos);
     if (early && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
     const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
     unsigned qb[S::STEPS][2];
@@ -622,6 +625,8 @@ __device__ __forceinline__ void paged_decode(
         if (writes)
             write_new_token<DH, K_BITS, V_BITS>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, k_scales, v_scales);
     }
+    if (!EARLY && !writes && t0 < t_end)   // (quantized: while the queries are rotated)
+        load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
 
     // the queries (quantized K: rotated, R(q)/32) as fp16 B fragments: lane (g, qd) holds head g's k elements
@@ -649,7 +654,8 @@ __device__ __forceinline__ void paged_decode(
                                        smem.q[g][dim0 + k_dim<S>(qd, k_virtual<K_BITS>(s, hi, 1))]);
         __syncthreads();   // smem.q is reused for P
     }
-    if (!early && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
+    if ((EARLY ? !early : writes) && t0 < t_end)
+        load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
 
     State<S> st;
 #pragma unroll
