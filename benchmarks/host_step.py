@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import synthetic_model  # noqa: E402
 
 from exl_backends.commands.bench import _cache, fill_cache, run_info  # noqa: E402
-from exl_backends.engine.generator import copy_to_host  # noqa: E402
+from exl_backends.engine.generator import TokenCopies  # noqa: E402
 from exl_backends.engine.sampling import greedy  # noqa: E402
 from exl_backends.model.batch import Batch, SeqChunk  # noqa: E402
 from exl_backends.model.runner import Runner  # noqa: E402
@@ -53,6 +53,7 @@ class Stepper:
         self.runner.forward(self.batch([1]))        # captures the graph
         torch.cuda.synchronize()
         self.graph = self.runner.graphs.by_shape[1, 1]
+        self.copies = TokenCopies()
 
     def batch(self, ids: list[int]) -> Batch:
         self.pos += 1
@@ -91,7 +92,7 @@ class Stepper:
                 logits = g.logits
             marks.append(time.perf_counter())
             top = greedy(logits)
-            copy = copy_to_host(top)
+            copy = self.copies.start(top)
             marks.append(time.perf_counter())
             if pending is not None:
                 host, done = pending

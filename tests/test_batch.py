@@ -42,3 +42,15 @@ def test_build_lays_out_each_tokens_slot_position_and_sequence(page_size):
 def test_build_refuses_chunks_their_pages_cannot_hold():
     with pytest.raises(ValueError, match="2 pages cannot hold 40 tokens"):
         Batch.build([SeqChunk([1] * 8, 32, [3, 4])], 16, "cpu")
+
+
+def test_feed_takes_the_device_ids_as_they_are_and_refuses_others():
+    """feed keeps the tensor it is given as the step's input ids (no copy), and refuses one that cannot be them."""
+    import torch
+    b = Batch.build([SeqChunk([5], 7, [0]), SeqChunk([9], 3, [1])], 16, "cpu")
+    ids = torch.tensor([11, 12])
+    b.feed(ids)
+    assert b.fed and b.input_ids is ids
+    for bad, what in ((torch.tensor([1, 2, 3]), r"\(3,\)"), (torch.tensor([1, 2], dtype=torch.int32), "int32")):
+        with pytest.raises(ValueError, match=what):
+            Batch.build([SeqChunk([5], 7, [0]), SeqChunk([9], 3, [1])], 16, "cpu").feed(bad)

@@ -91,12 +91,16 @@ def test_decode_speed_never_runs_more_than_one_step_ahead(dirs, monkeypatch):
         events.append("launch")
         return forward(self, batch)
 
-    class Arrival:                                # copy_to_host's event, whose wait is the host's read
+    class Arrival:                                # the copy's event, whose wait is the host's read
         def synchronize(self):
             events.append("read")
 
+    class Copies:
+        def start(self, t):
+            return t, Arrival()
+
     monkeypatch.setattr(bench.Runner, "forward", launch)
-    monkeypatch.setattr(bench, "copy_to_host", lambda t: (t, Arrival()))
+    monkeypatch.setattr(bench, "TokenCopies", Copies)
     bench.decode_speed(Model.load(dirs["llama"]), context=40, steps=5, page_size=32)
     launched = read = 0
     for e in events:

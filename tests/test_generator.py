@@ -304,6 +304,27 @@ def test_broken_logits_in_a_launched_step_end_that_job_only(tiny, monkeypatch):
         launched.clear()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_token_copies_reach_the_host_on_a_stream_of_their_own(device):
+    """TokenCopies: a step's tokens in host memory once their event has passed (on the CPU: the tensor itself, no
+    event), copied on a side stream that waited for the step's work, one stream per device, reused."""
+    from exl_backends.engine.generator import TokenCopies
+    copies = TokenCopies()
+    for n in (1, 5):
+        t = torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(n)).to(device)
+        if device == "cuda":
+            t = (t * 3).sub_(7)                     # made by kernels the copy must wait for
+        host, done = copies.start(t)
+        if device == "cpu":
+            assert host is t and done is None
+            continue
+        done.synchronize()
+        assert host.device.type == "cpu" and host.is_pinned() and host.tolist() == t.tolist()
+        (stream,) = copies.streams.values()
+        assert stream != torch.cuda.current_stream()
+
+
 def test_more_jobs_than_pages_wait_and_all_finish(tiny):
     model, _ = tiny
     gen = make(model, cache_tokens=8 * PAGE)   # a job of 20 + 20 tokens takes 3 pages: two fit at once

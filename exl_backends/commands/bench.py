@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..engine.generator import copy_to_host
+from ..engine.generator import TokenCopies
 from ..engine.sampling import greedy
 from ..kernels import megakernel
 from ..model import step_table
@@ -135,17 +135,18 @@ def decode_speed(model: Model | TensorParallelModel, context: int, cache_mode: s
     runner = Runner(model, cache, max_batch=batch, max_pages=n_pages)
     # tensor parallelism's other ranks take each step's tokens from its host bytes, as its generator feeds them
     on_device = not isinstance(model, TensorParallelModel)
+    copies = TokenCopies()
 
     def step(i: int, top: Tensor | None) -> tuple[Tensor, Tensor, tuple]:
         """Step i fed step i - 1's tokens (top; None: placeholders): its logits, its tokens, and their copy on the
-        way to the host (copy_to_host)."""
+        way to the host (TokenCopies)."""
         ids = top.tolist() if top is not None and not on_device else [1] * batch
         b = Batch.build([SeqChunk([t], context + i, p) for t, p in zip(ids, pages)], page_size, model.device)
         if top is not None and on_device:
             b.feed(top)
         logits = runner.forward(b)
         top = greedy(logits)
-        return logits, top, copy_to_host(top)
+        return logits, top, copies.start(top)
 
     def read(copy: tuple) -> list[int]:
         """The tokens of a step, as the generator reads them (Launched.tokens)."""

@@ -102,6 +102,7 @@ class Generator:
         self._cancels = 0                       # cancels waiting for their turn
         self._inbox: deque[Job] = deque()
         self._ahead: Launched | None = None     # a decode step on the GPU whose tokens are not read yet
+        self._copies = TokenCopies()
         # steps fed tokens on the device: not under tensor parallelism, whose other ranks get each step's tokens
         # from rank 0's host
         self._own_model = isinstance(model.model, Model)
@@ -303,7 +304,7 @@ class Generator:
             if not self._can_look_ahead([job for job, _ in plan], 0):
                 self._take_tokens(plan, chunks, rows, logits, drafts)
                 return True
-            step = Launched(plan, chunks, rows, logits, 0)
+            step = Launched(plan, chunks, rows, logits, 0, self._copies)
         # the next step goes to the GPU before this one's tokens are read, so that the host's work on them overlaps
         # the GPU's on the next (it is fed this step's tokens on the device)
         live = [job for job, _ in step.plan if not job.is_finished]
@@ -343,7 +344,8 @@ class Generator:
             chunks.append(SeqChunk([0], len(job.tokens), job.pages))
         batch = Batch.build(chunks, self.page_size, self.model.device, logit_rows=list(range(len(plan))))
         batch.feed(step.top if len(keep) == len(step.plan) else step.top[keep])
-        return Launched(plan, chunks, [range(i, i + 1) for i in range(len(plan))], self._forward(batch), 1)
+        return Launched(plan, chunks, [range(i, i + 1) for i in range(len(plan))], self._forward(batch), 1,
+                        self._copies)
 
     def _chunk(self, job: Job, width: int, drafts: dict) -> SeqChunk:
         """The job's tokens for this step: its next prompt chunk, or its newest token and the drafted ones."""
@@ -532,14 +534,14 @@ def chosen_on_device(job: Job, position: int) -> bool:
 class Launched:
     """A decode step sent to the GPU whose jobs' tokens (chosen_on_device) are chosen there: its jobs, chunks and
     logits rows, and its tokens (int64 [R] on the device: each greedy job's argmax, its stop tokens masked while
-    min_new_tokens bans them, and each sampling job's draw, whose uniform is taken now), copied to pinned host memory
-    without waiting, so that reading them waits for this step's kernels only, not for the ones queued after them.
-    The logits themselves (a graph's output, which the next step overwrites) are copied only for a job that needs
-    more than its token: logprobs. A sampled row that gives no token gives its error instead (draw_rows' code).
-    `ahead`: how many tokens past each job's last committed one the step's tokens go."""
+    min_new_tokens bans them, and each sampling job's draw, whose uniform is taken now), on their way to pinned host
+    memory (TokenCopies), so that reading them waits for this step's kernels only, not for the ones queued after
+    them. The logits themselves (a graph's output, which the next step overwrites) are copied only for a job that
+    needs more than its token: logprobs. A sampled row that gives no token gives its error instead (draw_rows'
+    code). `ahead`: how many tokens past each job's last committed one the step's tokens go."""
 
     def __init__(self, plan: list[tuple[Job, int]], chunks: list[SeqChunk], rows: list[range], logits: Tensor,
-                 ahead: int):
+                 ahead: int, copies: "TokenCopies"):
         self.plan, self.chunks, self.rows = plan, chunks, rows
         self.top = greedy(logits)
         for i, (job, _) in enumerate(plan):
@@ -547,35 +549,53 @@ class Launched:
                 stops = torch.tensor([t for t in job.stop_ids if t < logits.shape[-1]], dtype=torch.long)
                 self.top[i] = logits[i].index_fill(0, stops.to(logits.device, non_blocking=True), NEG_INF).argmax()
         sampled = [i for i, (job, _) in enumerate(plan) if not job.is_plain_greedy]
-        broken = torch.zeros_like(self.top)
-        if sampled:
-            index = torch.tensor(sampled).to(logits.device, non_blocking=True)
-            tokens, codes = draw_rows(logits.index_select(0, index), [plan[i][0].state for i in sampled])
-            self.top.index_copy_(0, index, tokens)
-            broken.index_copy_(0, index, codes)
         self.sampled = [(plan[i][0], i) for i in sampled]
         self.logits = logits.clone() if any(job.n_logprobs for job, _ in plan) else None
-        self.host, self.done = copy_to_host(torch.stack((self.top, broken)))
+        if not sampled:                         # (greedy alone: its tokens, no error codes to stack beside them)
+            self.host, self.done = copies.start(self.top)
+            return
+        index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+        tokens, codes = draw_rows(logits.index_select(0, index), [plan[i][0].state for i in sampled])
+        self.top.index_copy_(0, index, tokens)
+        broken = torch.zeros_like(self.top)
+        broken.index_copy_(0, index, codes)
+        self.host, self.done = copies.start(torch.stack((self.top, broken)))
 
     def tokens(self) -> tuple[list[int], dict[Job, int | SamplingError]]:
         """(every row's token, the sampled jobs' tokens, or the error of a row that gave none)."""
         if self.done is not None:
             self.done.synchronize()
+        if not self.sampled:
+            return self.host.tolist(), {}
         top, broken = self.host.tolist()
         return top, {job: broken_row_error(broken[i]) if broken[i] else top[i] for job, i in self.sampled}
 
 
-def copy_to_host(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-    """t's copy in pinned host memory, started without waiting, and the event that marks its arrival (on the CPU: t
-    itself and None). Waiting for the event waits for the kernels queued before the copy only, not for a step
-    queued after it."""
-    if not t.is_cuda:
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))     # (a layer split: the last GPU's stream)
-    return host, done
+class TokenCopies:
+    """Launched steps' tokens on their way to pinned host memory, each copy on a stream of its own (one per
+    device): on the step's stream it would sit between this step's kernels and the next step's, which is launched
+    before the host reads them; on its own it runs beside the next step."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def start(self, t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """t's copy in pinned host memory, started without waiting, and the event that marks its arrival (on the
+        CPU: t itself and None). Waiting for the event waits for the kernels queued before the copy only."""
+        if not t.is_cuda:
+            return t, None
+        main = torch.cuda.current_stream(t.device)      # (a layer split: the last GPU's stream)
+        side = self.streams.get(t.device)
+        if side is None:
+            side = self.streams[t.device] = torch.cuda.Stream(t.device)
+        side.wait_stream(main)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(side)                   # (t's memory is not reused before the copy has read it)
+        done = torch.cuda.Event()
+        done.record(side)
+        return host, done
 
 
 def logit_rows(plan: list[tuple[Job, int]], chunks: list[SeqChunk]) -> list[range]:

@@ -89,8 +89,13 @@ class Batch:
 
     def feed(self, ids: Tensor) -> None:
         """The input ids from the device (a decode step fed the tokens of the step before, not yet read back): a
-        graph then takes everything else from the host bytes in its one copy, and these ids by one more."""
-        self.input_ids.copy_(ids)
+        graph then takes everything else from the host bytes in its one copy, and these ids by one more. ids is
+        taken as it is, not copied (one launch less a step): it must not change before the step has run."""
+        want = self.input_ids
+        if ids.shape != want.shape or ids.dtype != want.dtype or ids.device != want.device:
+            raise ValueError(f"fed ids {tuple(ids.shape)} {ids.dtype} on {ids.device}: the batch's input ids are "
+                             f"{tuple(want.shape)} {want.dtype} on {want.device}")
+        self.input_ids = ids
         self.fed = True
 
     def lengths_on_host(self) -> tuple[list[int], list[int]]:
