@@ -2,6 +2,7 @@
 with graph-captured decode against eager decode."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 
@@ -96,7 +97,7 @@ def test_decode_attention_writes_the_o_projections_input_as_it_reads_it(cache_mo
 def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
     """A decode row's o and down leave the next norm's x in place (Model.link_norms, QuantMatmul.forward_feeding),
     and a fed gate/up down's (QuantMatmul.link_gating): no stage_xs launch for the MLP's norm, nor for the next
-    block's but the first's, nor for down where gate/up pair; the logits are the staged path's within fp16 rounding
+    block's but the first's, nor for a quantized head's final norm, nor for down where gate/up pair; the logits are the staged path's within fp16 rounding
     (the norm's scale after the matmul), its greedy token too, in eager steps and in a graph's replays."""
     from exl_backends.kernels import quant_matmul as qm
     from exl_backends.model.batch import Batch, SeqChunk
@@ -113,14 +114,34 @@ def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
     monkeypatch.setattr(qm.QuantMatmul, "_stage", lambda self, *a: staged_launches.append(a[2]) or stage(self, *a))
     fed = model.forward(step, cache)
     normed = [before for before in staged_launches if before[2] is not None]      # stage_xs with a norm weight
-    head = getattr(model.lm_head, "kernel", None) is not None
     ungated = sum(b.mlp.gate_up.kernel.gating is None for b in model.blocks)     # downs staged by stage_xs
-    assert len(normed) == 1 and len(staged_launches) == 1 + ungated + head and ungated < model.config.n_layers
+    # (the first block's q/k/v; a quantized head is fed by the last down, a dense one stages nothing)
+    assert len(normed) == 1 and len(staged_launches) == 1 + ungated and ungated < model.config.n_layers
+    assert (model.lm_head.kernel.fed_by is not None) if getattr(model.lm_head, "kernel", None) else True
     replayed = Runner(model, cache, max_batch=1, max_pages=2, eager=False)
     assert all(torch.equal(replayed.forward(step), fed) for _ in range(2))
     unlink_norms(model)
     staged = model.forward(step, cache)
     assert torch.isfinite(fed).all() and rel(fed, staged) < 2e-3 and torch.equal(fed.argmax(-1), staged.argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_a_quantized_head_applies_the_final_norm_as_it_stages_x(rows, monkeypatch):
+    """Model.logits on rows the last down did not feed: the quantized head's launch stages x with the final norm
+    (QuantMatmul.forward_normed), no norm launch before it, and gives the norm-then-head logits bit for bit."""
+    from exl_backends.kernels import norm
+    from exl_backends.model.batch import Batch, SeqChunk
+    model = ExlForCausalLM.from_pretrained(FIXTURES / "exl2/llama_tiny_exl2_4.0bpw_h6", device="cuda",
+                                           max_seq_len=512).model
+    gen = torch.Generator().manual_seed(rows)
+    h, residual = (torch.randn(rows, model.config.hidden_size, generator=gen).half().cuda() for _ in range(2))
+    batch = Batch.build([SeqChunk(list(range(1, rows + 1)), 0, [0])], 256, "cuda", all_logits=True)
+    x, _ = norm.add_rmsnorm(h, residual, model.norm, model.config.rms_norm_eps)
+    expected = model.lm_head(x).float()
+    launched = []
+    monkeypatch.setattr(norm, "add_rmsnorm", lambda *a: launched.append(a))   # forward_normed's unfused way
+    model.ops = dataclasses.replace(model.ops, add_rmsnorm=lambda *a: launched.append(a))
+    assert torch.equal(model.logits(h, residual, batch), expected) and not launched
 
 
 @pytest.mark.parametrize("cache_mode", ["fp16", "q4"])

@@ -111,8 +111,9 @@ class Model:
     def link_norms(self) -> None:
         """Where a decode row's one-row launch does the work of the norm after it (QuantMatmul.norm_feed: no launch
         stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage; and
-        where a fed gate/up stages down's x itself (QuantMatmul.link_gating). Not where an output norm (Gemma 2/3)
-        or routed experts come between, nor into a dense or CPU layer."""
+        where a fed gate/up stages down's x itself (QuantMatmul.link_gating); the last block's down into a quantized
+        head's final norm. Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or
+        CPU layer."""
         eps = self.config.rms_norm_eps
         for stage in self.stages:
             for i in stage.layers:
@@ -122,9 +123,13 @@ class Model:
                 _link(getattr(b.attention.o, "kernel", None), b.mlp.gate_up.kernel, b.post_attn_norm, eps)
                 if b.mlp.gated_down is not None and b.mlp.gate_up.kernel is not None:
                     b.mlp.gate_up.kernel.link_gating(b.mlp.gated_down)
-                if i + 1 in stage.layers and b.mlp_out_norm is None:
+                if b.mlp_out_norm is not None:
+                    continue
+                if i + 1 in stage.layers:
                     after = self.blocks[i + 1]
                     _link(b.mlp.gated_down, after.attention.qkv.kernel, after.input_norm, eps)
+                elif i == len(self.blocks) - 1:
+                    _link(b.mlp.gated_down, getattr(self.lm_head, "kernel", None), self.norm, eps)
 
     def _ropes(self, device: torch.device) -> tuple[Rope, Rope | None]:
         if device == self.device:
@@ -253,14 +258,23 @@ class Model:
             m = ops.rmsnorm(m, block.mlp_out_norm, eps)
         return m, residual
 
-    def logits(self, h: Tensor, residual: Tensor | None, batch: Batch) -> Tensor:
+    def logits(self, h: Tensor | None, residual: Tensor | None, batch: Batch) -> Tensor:
         """f32 logits [R, vocab] of the stream (h, residual) [T, D] after the final norm, for batch.logit_rows
-        (None: every row)."""
-        if batch.logit_rows is not None:
-            h = h[batch.logit_rows]
-            residual = None if residual is None else residual[batch.logit_rows]
-        x, _ = self.ops.norm_residual(h, residual, self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head(x)
+        (None: every row). h None: the last down fed a quantized head's norm (link_norms), one row. A quantized head
+        on CUDA applies the norm as it stages x (QuantMatmul.forward_normed: the same bits, no launch of its own)."""
+        head, eps = getattr(self.lm_head, "kernel", None), self.config.rms_norm_eps
+        if h is None:
+            (logits,) = head.forward_fed()
+            if batch.logit_rows is not None and batch.logit_rows.shape[0] != 1:    # (a draft's step wants none)
+                logits = logits[batch.logit_rows]
+        else:
+            if batch.logit_rows is not None:
+                h = h[batch.logit_rows]
+                residual = None if residual is None else residual[batch.logit_rows]
+            if head is not None:
+                (logits,), _ = head.forward_normed(h, residual, self.norm, eps)
+            else:
+                logits = self.lm_head(self.ops.norm_residual(h, residual, self.norm, eps)[0])
         megakernel.flush()      # inside megakernel.chaining, a quantized head's launch runs now, before it is read
         logits = logits.float()
         if self.config.final_softcap is not None:
