@@ -96,9 +96,10 @@ def test_decode_attention_writes_the_o_projections_input_as_it_reads_it(cache_mo
                                   "exl2/llama_tiny_exl2_2.5bpw_h6", "gptq/llama_tiny_gptq4_g64"])
 def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
     """A decode row's o and down leave the next norm's x in place (Model.link_norms, QuantMatmul.forward_feeding),
-    and a fed gate/up down's (QuantMatmul.link_gating): no stage_xs launch for the MLP's norm, nor for the next
-    block's but the first's, nor for a quantized head's final norm, nor for down where gate/up pair; the logits are the staged path's within fp16 rounding
-    (the norm's scale after the matmul), its greedy token too, in eager steps and in a graph's replays."""
+    and a fed gate/up down's (QuantMatmul.link_gating), the embedding's launch the first block's (embed_feed): no
+    stage_xs launch for any block's norms, nor for a quantized head's final norm, nor for down where gate/up pair;
+    the logits are the staged path's within fp16 rounding (the norm's scale after the matmul), its greedy token too,
+    in eager steps and in a graph's replays."""
     from exl_backends.kernels import quant_matmul as qm
     from exl_backends.model.batch import Batch, SeqChunk
     from exl_backends.model.cache import KVCache
@@ -115,8 +116,9 @@ def test_a_decode_rows_launches_do_the_norms_between_them(path, monkeypatch):
     fed = model.forward(step, cache)
     normed = [before for before in staged_launches if before[2] is not None]      # stage_xs with a norm weight
     ungated = sum(b.mlp.gate_up.kernel.gating is None for b in model.blocks)     # downs staged by stage_xs
-    # (the first block's q/k/v; a quantized head is fed by the last down, a dense one stages nothing)
-    assert len(normed) == 1 and len(staged_launches) == 1 + ungated and ungated < model.config.n_layers
+    # (the embedding's launch feeds the first block's q/k/v; the last down a quantized head, a dense one stages
+    # nothing)
+    assert not normed and len(staged_launches) == ungated < model.config.n_layers
     assert (model.lm_head.kernel.fed_by is not None) if getattr(model.lm_head, "kernel", None) else True
     replayed = Runner(model, cache, max_batch=1, max_pages=2, eager=False)
     assert all(torch.equal(replayed.forward(step), fed) for _ in range(2))

@@ -1,5 +1,7 @@
 // RMSNorm, with the roundings of reference.rmsnorm: x in f32, y = fp16(x * rsqrt(mean(x^2) + eps)), then the fp16
 // product w * y. add_rmsnorm first forms the new residual r = fp16(x + residual), writes it, and normalises r.
+// embed_feed: one token's embedding row as the first block's residual, and as its q/k/v launch's x with the norm
+// half done (qmm_rows.cuh STAGE-FREE NORM, the producer's end without a matmul before it).
 //
 // grid (rows), block 256: one block per row, one pass. Thread i holds the VEC-element vectors i, i + 256, ...,
 // (at most NV of them, dim <= 256 * VEC * NV) in registers, and loads them and its weights at once; a block
@@ -103,3 +105,29 @@ NORM_KERNELS(1, 2)
 NORM_KERNELS(1, 4)
 NORM_KERNELS(1, 8)
 NORM_KERNELS(1, 16)
+
+// embed_feed: grid (ceil(dim / 256)), block 256, a warp per 32 columns. One token (ids[0]): r = table[ids[0]] [dim]
+// is written to new_residual, fp16(r * w') to x[i * dim + (places[i * dim + col] & 0x7fffffff)] for each of the
+// n_places consumer parts (times 2^-4 where bit 31 is set), and each 32 columns' sum of r^2 (fp32, warp_sum's fixed
+// tree) to sums, as a producer's column ends write them (qmm_rows.cuh end_column; quant_matmul.NormFeed).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    embed_feed(const long long* ids, const half* table, int dim, const half* w, const int* places, int n_places,
+               half* x, half* new_residual, float* sums) {
+    exl::pdl_trigger();
+    exl::pdl_wait();           // the token comes from the step's input copy; x may still be read by a kernel before
+    const int lane = threadIdx.x % 32, strip = (blockIdx.x * THREADS + threadIdx.x) / 32, col = strip * 32 + lane;
+    if (strip * 32 >= dim) return;
+    float sq = 0.f;
+    if (col < dim) {
+        const half r = table[(size_t)ids[0] * dim + col];
+        new_residual[col] = r;
+        const float rw = __half2float(r) * __half2float(w[col]);   // exact in fp32 (11-bit significands)
+        for (int i = 0; i < n_places; ++i) {
+            const int place = places[(size_t)i * dim + col];
+            x[(size_t)i * dim + (place & 0x7fffffff)] = __float2half_rn(place < 0 ? rw * 0.0625f : rw);
+        }
+        sq = __half2float(r) * __half2float(r);
+    }
+    sq = exl::warp_sum(sq);
+    if (lane == 0) sums[strip] = sq;
+}

@@ -1,4 +1,5 @@
-"""Launchers for norm.cu: rmsnorm and the fused add_rmsnorm (same signatures and roundings as reference.py)."""
+"""Launchers for norm.cu: rmsnorm and the fused add_rmsnorm (same signatures and roundings as reference.py), and
+embed_feed (the first block's norm fed by the embedding gather)."""
 from __future__ import annotations
 
 import torch
@@ -41,3 +42,18 @@ def add_rmsnorm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Ten
         launch("norm", _kernel("add_rmsnorm", dim, x, residual, w, out, new_residual), grid=(rows,),
                block=(THREADS,), args=(x, residual, w, out, new_residual, dim, float(eps)))
     return out, new_residual
+
+
+def embed_feed(ids: Tensor, table: Tensor, feed) -> Tensor:
+    """One token's embedding row r = table[ids[0]] [1, D] (the stream's first residual), written in the same launch
+    as feed's x with the norm half done (quant_matmul.NormFeed, as a producer launch leaves it), so that the first
+    block's q/k/v launch (QuantMatmul.forward_fed) needs neither an embedding launch nor a stage_xs one before it.
+    ids: int64 [1] on table's device, a valid row of table (fp16 [vocab, D])."""
+    if ids.shape != (1,) or ids.dtype != torch.int64 or table.dtype != torch.float16:
+        raise ValueError(f"embed_feed takes one int64 token id and an fp16 table, got ids {tuple(ids.shape)} "
+                         f"{ids.dtype} and a {table.dtype} table")
+    dim = table.shape[1]
+    r = torch.empty(1, dim, dtype=torch.float16, device=table.device)
+    launch("norm", "embed_feed", grid=(-(-dim // THREADS),), block=(THREADS,),
+           args=(ids, table, dim, feed.w, feed.places, feed.places.shape[0], feed.staged, r, feed.sums))
+    return r

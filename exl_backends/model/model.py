@@ -12,6 +12,7 @@ from .. import formats
 from ..errors import CheckpointError, DeviceError
 from ..formats.tensors import FLOAT_DTYPES, TensorStore
 from ..kernels import megakernel
+from ..kernels.norm import embed_feed
 from .attention import Attention
 from .batch import Batch
 from .cache import KVCache
@@ -112,7 +113,7 @@ class Model:
         """Where a decode row's one-row launch does the work of the norm after it (QuantMatmul.norm_feed: no launch
         stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage; and
         where a fed gate/up stages down's x itself (QuantMatmul.link_gating); the last block's down into a quantized
-        head's final norm. Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or
+        head's final norm; the embedding's gather into the first block's q/k/v (embed_tokens). Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or
         CPU layer."""
         eps = self.config.rms_norm_eps
         for stage in self.stages:
@@ -130,6 +131,11 @@ class Model:
                     _link(b.mlp.gated_down, after.attention.qkv.kernel, after.input_norm, eps)
                 elif i == len(self.blocks) - 1:
                     _link(b.mlp.gated_down, getattr(self.lm_head, "kernel", None), self.norm, eps)
+        first = self.blocks[self.stages[0].layers[0]]
+        qkv = first.attention.qkv.kernel
+        if qkv is not None and self.embed_scale is None and self.embed.dtype == torch.float16 \
+                and self.embed.device == first.input_norm.device:
+            qkv.fed_by = qkv.norm_feed(first.input_norm, eps)      # by the embedding's launch (embed_tokens)
 
     def _ropes(self, device: torch.device) -> tuple[Rope, Rope | None]:
         if device == self.device:
@@ -219,8 +225,13 @@ class Model:
             ropes[True] = local.cos_sin(positions, seq_lens, self.ops, self.dtype)
         return ropes
 
-    def embed_tokens(self, input_ids: Tensor) -> tuple[Tensor, None]:
-        """(h, residual) in front of the first block: the embedding [T, D], and no residual yet."""
+    def embed_tokens(self, input_ids: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """(h, residual) in front of the first block: the embedding [T, D], and no residual yet. For one token
+        whose first q/k/v launch is fed (link_norms), (None, the embedding [1, D]): the gather's launch also leaves
+        that launch's x with the norm half done (kernels.norm.embed_feed), so no launch stages it."""
+        qkv = self.blocks[self.stages[0].layers[0]].attention.qkv.kernel
+        if qkv is not None and qkv.fed_by is not None and input_ids.shape[0] == 1 and megakernel.active() is None:
+            return None, embed_feed(input_ids, self.embed, qkv.fed_by)
         h = self.ops.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale

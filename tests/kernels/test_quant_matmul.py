@@ -845,6 +845,39 @@ def test_a_launch_that_feeds_the_next_norm_gives_its_results_within_rounding(fmt
 
 @on_gpu
 @pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("d", [2080, 96])
+def test_the_embedding_gather_feeds_the_first_norm_as_a_launch_would(fmt, d):
+    """norm.embed_feed: one token's embedding row r, returned as it is in the table, and r * w' in its consumer's
+    stored orders with r's sums (STAGE-FREE NORM without a matmul before it): the consumer's outputs are
+    forward_normed's of the row within fp16 rounding (w above 1, so w' = w / 4)."""
+    from exl_backends.kernels import norm
+    cuda = torch.device("cuda")
+    if fmt == "exl2":
+        weights = [synthetic.random_exl2(d, 96, "0.05:8b_32g/0.95:4b_128g", seed=1),
+                   synthetic.random_exl2(d, 517, "0.1:4b_64g/0.9:3b_64g", seed=2)]
+    else:
+        weights = [synthetic.random_gptq(d, 160, 4, 32, True, False, seed=1)]
+    consumer = qm.fuse([qm.prepare(w.to(cuda), None) for w in weights])
+    gen = torch.Generator().manual_seed(d)
+    table = (torch.randn(1000, d, generator=gen) * 3).half().cuda()
+    w = (torch.rand(d, generator=gen) * 2.5 + 0.25).half().cuda()
+    ids = torch.tensor([617], device=cuda)
+    expected, _ = consumer.forward_normed(table[617:618], None, w, 1e-5)
+    consumer.fed_by = consumer.norm_feed(w, 1e-5)
+    assert consumer.fed_by.unscale == 4.0
+    for _ in range(2):
+        poison_allocator()
+        r = norm.embed_feed(ids, table, consumer.fed_by)
+        ys = consumer.forward_fed()
+        assert torch.equal(r, table[617:618])
+        for y, e in zip(ys, expected):
+            assert torch.isfinite(y).all() and (y - e).abs().max() <= 4e-3 * e.abs().max()
+    with pytest.raises(ValueError, match="one int64 token id"):
+        norm.embed_feed(torch.tensor([1, 2], device=cuda), table, consumer.fed_by)
+
+
+@on_gpu
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
 @pytest.mark.parametrize("d", [2080, 96], ids=["split", "unsplit"])
 def test_a_fed_gate_up_stages_downs_x_as_stage_xs_does(fmt, d, monkeypatch):
     """PAIRED ENDS: a gate/up launch fed by o's norm (STAGE-FREE NORM) that writes fp16(silu(gate)) * up into
