@@ -23,7 +23,6 @@
          const __grid_constant__ qmm::Chain chain)                                                                     \
     {                                                                                                                  \
         exl::pdl_trigger();                                                                                           \
-        qmm::prefetch_ahead(chain);                     /* (before the wait, inside matmul) */                        \
         __shared__ qmm::EndLines end_s[qmm::WARPS];                                                                   \
         qmm::matmul<FMT, 1, true>(p, x, y0, y1, y2, ws, blockIdx.x, blockDim.x / 32, qmm::PdlWait(), chain, end_s);\
     }

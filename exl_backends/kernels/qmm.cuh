@@ -100,8 +100,6 @@ struct Chain {
     int n_places;                    // producer: the consumer's parts
     int dim;                         // consumer: K (the norm's dimension)
     int gated;                       // a gate/up launch writing fp16(silu(gate)) * up as down's x (PAIRED ENDS)
-    const unsigned char* ahead[MAX_PARTS];   // weights to prefetch into L2 before the wait (qmm_rows.cuh AHEAD)
-    unsigned ahead_bytes[MAX_PARTS];
 };
 
 __device__ __forceinline__ unsigned smem_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }

@@ -428,25 +428,6 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
-// AHEAD (one row; a probe, compiled in with -DQMM_AHEAD=1; docs/megakernel.md "DRAM idle during attention"): a
-//   decode step's o launch waits while attention runs on a few SMs and DRAM idles; its blocks, resident on the
-//   other SMs, prefetch into L2 before their wait the weights the chain names (o's own, then gate/up's), each block
-//   an equal share of each span's 128-byte lines, so that the launches after it read them from L2.
-#ifndef QMM_AHEAD
-#define QMM_AHEAD 0
-#endif
-__device__ __forceinline__ void prefetch_ahead(const Chain& ch)
-{
-    if constexpr (QMM_AHEAD) {
-        for (int i = 0; i < MAX_PARTS; ++i) {
-            const unsigned lines = (ch.ahead_bytes[i] + 127) / 128, per = (lines + gridDim.x - 1) / gridDim.x;
-            const unsigned end = min(lines, (blockIdx.x + 1) * per);
-            for (unsigned l = blockIdx.x * per + threadIdx.x; l < end; l += blockDim.x)
-                prefetch_l2(ch.ahead[i] + 128 * (size_t)l);
-        }
-    }
-}
-
 // Whether a one-row launch's chain asks for more than y.
 __device__ __forceinline__ bool chained(const Chain& ch) { return ch.x || ch.sums_in; }
 

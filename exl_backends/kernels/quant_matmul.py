@@ -107,12 +107,8 @@ PARAMS_DTYPE = np.dtype([("part", PART_DTYPE, (MAX_PARTS,)), ("n_parts", np.int3
 CHAIN_DTYPE = np.dtype([("x", np.uint64), ("places", np.uint64, (MAX_PARTS,)), ("residual", np.uint64),
                         ("new_residual", np.uint64), ("w", np.uint64), ("sums", np.uint64), ("sums_in", np.uint64),
                         ("eps", np.float32), ("unscale", np.float32), ("n_places", np.int32), ("dim", np.int32),
-                        ("gated", np.int32), ("ahead", np.uint64, (MAX_PARTS,)),
-                        ("ahead_bytes", np.uint32, (MAX_PARTS,))], align=True)
+                        ("gated", np.int32)], align=True)
 NO_CHAIN = np.zeros((), CHAIN_DTYPE)
-# What a decode step's o launch may prefetch into L2 while attention runs (qmm_rows.cuh AHEAD, a probe): about what
-# DRAM moves in one attention launch (~7-10 us at 3-4 TB/s), and half an H100's L2.
-AHEAD_BYTES = 24 << 20
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -302,7 +298,6 @@ class QuantMatmul:
         self.feeding: NormFeed | None = None
         self.fed_by: NormFeed | None = None
         self.gating: Gating | None = None      # a fed gate/up's launch that stages down's x (link_gating)
-        self.ahead = NO_CHAIN                   # a one-row launch's weights to prefetch ahead (link_ahead)
         self.segment = None                     # the one-row launch pair as megakernel ops
         if layouts[0].fmt is Format.EXL2 and megakernel.enabled(device):
             self.segment = megakernel.OneRowMatmul(self.plans[1], self.k, -(-self.k // CHUNK // WARPS), device)
@@ -402,20 +397,8 @@ class QuantMatmul:
     def forward_stored(self, staged: Tensor) -> Tensor:
         """The one weight's y [1, n] from one row of x written where stored_x said."""
         y = torch.empty(1, self.layouts[0].n, dtype=torch.float16, device=staged.device)
-        self._launch_small(1, staged, [y], self.ahead)
+        self._launch_small(1, staged, [y])
         return y
-
-    def link_ahead(self, after: list[QuantMatmul]) -> None:
-        """Makes this launch's one-row forwards (o's, after attention: forward_stored, forward_feeding) prefetch into
-        L2 before their wait its own weights and then those of the launches `after` it, each whole, while the total
-        stays within AHEAD_BYTES (qmm_rows.cuh AHEAD; a probe: only kernels built with QMM_AHEAD=1 do it)."""
-        spans = ahead_spans([lay.words for k in [self, *after] for lay in k.layouts], AHEAD_BYTES)
-        self.ahead = NO_CHAIN.copy()
-        for i, (ptr, n) in enumerate(spans):
-            self.ahead["ahead"][i], self.ahead["ahead_bytes"][i] = ptr, n
-        if self.feeding is not None:
-            self.feeding.producer_chain["ahead"], self.feeding.producer_chain["ahead_bytes"] = (
-                self.ahead["ahead"], self.ahead["ahead_bytes"])
 
     def norm_feed(self, w: Tensor, eps: float) -> NormFeed | None:
         """Where the one-row launch before this one may leave its x with the norm in front of it (weight w, epsilon
@@ -615,17 +598,6 @@ class Gating:
     chain: np.ndarray
     ws: Tensor
     into: tuple[Tensor, Tensor]
-
-
-def ahead_spans(weights: list[Tensor], budget: int) -> list[tuple[int, int]]:
-    """(address, bytes) of the first of weights, in order, whose sizes add up to at most budget, MAX_PARTS at most."""
-    spans, total = [], 0
-    for w in weights[:MAX_PARTS]:
-        total += w.nbytes
-        if total > budget:
-            break
-        spans.append((w.data_ptr(), w.nbytes))
-    return spans
 
 
 def stored_places(lay: LaneLayout) -> Tensor:

@@ -113,21 +113,17 @@ class Model:
         """Where a decode row's one-row launch does the work of the norm after it (QuantMatmul.norm_feed: no launch
         stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage; and
         where a fed gate/up stages down's x itself (QuantMatmul.link_gating); the last block's down into a quantized
-        head's final norm; the embedding's gather into the first block's q/k/v (embed_tokens); and what o's launch
-        prefetches while attention runs (QuantMatmul.link_ahead). Not where an output norm (Gemma 2/3) or routed
-        experts come between, nor into a dense or CPU layer."""
+        head's final norm; the embedding's gather into the first block's q/k/v (embed_tokens). Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or
+        CPU layer."""
         eps = self.config.rms_norm_eps
         for stage in self.stages:
             for i in stage.layers:
                 b = self.blocks[i]
                 if b.attn_out_norm is not None or not isinstance(b.mlp, Mlp):
                     continue
-                o = getattr(b.attention.o, "kernel", None)
-                _link(o, b.mlp.gate_up.kernel, b.post_attn_norm, eps)
+                _link(getattr(b.attention.o, "kernel", None), b.mlp.gate_up.kernel, b.post_attn_norm, eps)
                 if b.mlp.gated_down is not None and b.mlp.gate_up.kernel is not None:
                     b.mlp.gate_up.kernel.link_gating(b.mlp.gated_down)
-                if o is not None and b.mlp.gate_up.kernel is not None:
-                    o.link_ahead([b.mlp.gate_up.kernel])
                 if b.mlp_out_norm is not None:
                     continue
                 if i + 1 in stage.layers:

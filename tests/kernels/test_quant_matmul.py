@@ -425,15 +425,6 @@ def test_gemm_ring_rows_are_bank_conflict_free():
 
 # ----------------------------------------------------------------------------------------------- CPU: kernel decode
 
-def test_ahead_spans_take_whole_weights_in_order_within_the_budget():
-    """What o's launch prefetches (QuantMatmul.link_ahead): its own weights, then the next launch's, each whole, in
-    order, while their sizes add up to the budget; nothing past the first that does not fit, MAX_PARTS at most."""
-    ws = [torch.empty(n, dtype=torch.uint8) for n in (100, 300, 50, 10)]
-    assert qm.ahead_spans(ws, 450) == [(w.data_ptr(), w.nbytes) for w in ws[:3]]
-    assert qm.ahead_spans(ws, 399) == [(ws[0].data_ptr(), 100)]          # (not the third after the second)
-    assert qm.ahead_spans(ws, 99) == [] and len(qm.ahead_spans(ws, 10**6)) == qm.MAX_PARTS
-
-
 STRUCTS = [("Part", qm.PART_DTYPE), ("Params", qm.PARAMS_DTYPE), ("Chain", qm.CHAIN_DTYPE)]
 
 
