@@ -93,6 +93,15 @@ def test_the_trace_probe_compiles(source):
     assert b"\0qmm_trace_n\0" in out.stdout and b"\0qmm_trace\0" in out.stdout
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_the_attention_trace_probe_compiles():
+    """attention.cu TRACE (benchmarks/trace_step.py): its buffers keep C names, which the benchmark looks up."""
+    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "-DATT_TRACE=1024", "-o",
+                          "/dev/stdout", str(KERNEL_DIR / "attention.cu")], capture_output=True)
+    assert out.returncode == 0, out.stderr.decode()
+    assert b"\0att_trace_n\0" in out.stdout and b"\0att_trace\0" in out.stdout
+
+
 LISTING = """
 .text.k:
         /*0000*/                   MOV R1, c[0x0][0x28] ;

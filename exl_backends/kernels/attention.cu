@@ -50,7 +50,59 @@
 #include "common.cuh"
 #include "kv_cache.cuh"
 
+// TRACE (a probe; ATT_TRACE=n, 0 by default, and then AttStamps compiles to nothing): lane 0 of each warp of a
+//   decode launch stamps %globaltimer (ns) at its start, when its wait is over, when its key loop is over, at its
+//   end, and when its queries are staged (just before the key loop), then appends them as one record (qmm_rows.cuh's
+//   TraceRecord layout, op 2) to att_trace[0 .. n) (att_trace_n counts, past n too). Rows finished by one block
+//   only (a merge of splits is not stamped). benchmarks/trace_step.py reads them beside the matmuls' (QMM_TRACE).
+#ifndef ATT_TRACE
+#define ATT_TRACE 0
+#endif
+
+#if ATT_TRACE
+struct AttTraceRecord {
+    unsigned long long t[5];     // start, wait over, key loop over, end, queries staged
+    unsigned op;                 // 2
+    unsigned where;              // SM << 16 | warp << 12 | kv-head block
+};
+extern "C" {
+__device__ AttTraceRecord att_trace[ATT_TRACE];
+__device__ unsigned att_trace_n;
+}
+#endif
+
 namespace {
+
+struct AttStamps {
+#if ATT_TRACE
+    __device__ __forceinline__ static unsigned long long* slot()
+    {
+        __shared__ unsigned long long stamps_s[32][5];
+        return stamps_s[threadIdx.x / 32];
+    }
+    __device__ __forceinline__ void at(int i) const
+    {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+        if (threadIdx.x % 32 == 0) slot()[i] = t;
+    }
+    __device__ __forceinline__ void emit() const
+    {
+        if (threadIdx.x % 32) return;
+        const unsigned i = atomicAdd(&att_trace_n, 1u);
+        if (i >= ATT_TRACE) return;
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        AttTraceRecord& r = att_trace[i];
+        for (int k = 0; k < 5; ++k) r.t[k] = slot()[k];
+        r.op = 2;
+        r.where = sm << 16 | threadIdx.x / 32 << 12 | blockIdx.y % 4096;
+    }
+#else
+    __device__ __forceinline__ void at(int) const {}
+    __device__ __forceinline__ void emit() const {}
+#endif
+};
 
 using exl::FULL_MASK;
 using exl::hadamard32;
@@ -542,6 +594,8 @@ __device__ __forceinline__ void paged_decode(
     const int kv_head = blockIdx.y / head_blocks;
     const int head0 = kv_head * group + (blockIdx.y % head_blocks) * HEADS;   // first query head of the block
     const int n_g = min(HEADS, kv_head * group + group - head0);
+    const AttStamps stamps;
+    stamps.at(0);
     out.prefetch(head0, n_g, DH, tid);
 
     // Before pdl_wait: the row's key range. row_seq, positions and seq_lens come from the host or torch's ops, never
@@ -582,6 +636,7 @@ __device__ __forceinline__ void paged_decode(
                                               (int)min((long long)min(t_end, t_begin + S::TILE_SLOTS * S::KT), pos),
                                               tid);
     exl::pdl_wait();           // q and the newest keys come from the kernels before
+    stamps.at(1);
 
     // fp16 K: lane (g, qd) loads head g's k elements (the pieces of the warp's part of a key row) straight into its
     // B fragments; quantized K or RoPE here: the block stages them in shared memory (to rotate them) first.
@@ -664,6 +719,7 @@ __device__ __forceinline__ void paged_decode(
     for (int t = 0; t < S::STEPS; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) st.acc[t][e] = 0.f;
+    stamps.at(4);
     // both warps of a pair walk the same tiles, so they meet at every pair_sync
     for (int parity = 0; t0 < t_end; parity ^= 1) {
         attend_tile<DH, K_BITS, V_BITS, KT>(st, tile, qb, smem.loop.p[warp], smem.loop.x, parity, t0, t_first,
@@ -672,6 +728,7 @@ __device__ __forceinline__ void paged_decode(
         if (t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
     }
 
+    stamps.at(2);
     // merge the tile slots: each writes its state (the warps of a pair hold the same m and l, and their own dims);
     // warp h then takes query head h
     int2 at[S::CHUNKS];
@@ -724,7 +781,11 @@ __device__ __forceinline__ void paged_decode(
             if (lane == 0) part_ml[head_row * n_splits + split] = make_float2(m_max, l);
         }
     }
-    if (n_used == 1) return;
+    if (n_used == 1) {
+        stamps.at(3);
+        stamps.emit();
+        return;
+    }
 
     // several splits: the last block of the row to get here merges them
     __syncthreads();            // the block's partials, then its arrival (release; acquire for the last)

@@ -757,6 +757,8 @@ __device__ __forceinline__ void matmul_part_staged(const Params& p, const Part& 
     if constexpr (M1)
         if (ch.gated) {
             finish_pair<N8>(sink.acc, p, pt, split, strip, ws, ch, end_s + warp, scale);
+            stamps.at(3);
+            stamps.emit(1, p.n_parts, p.K, local);
             return;
         }
     if constexpr (M1 && Fmt::CLUSTERS)
