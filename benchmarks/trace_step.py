@@ -35,7 +35,7 @@ DEFINE = f"QMM_TRACE={MATMUL_RECORDS}+ATT_TRACE={ATTENTION_RECORDS}"
 FAMILIES = {"matmul_rows", "attention"}
 RECORD = np.dtype([("t", "<u8", 5), ("op", "<u4"), ("where", "<u4")])    # TraceRecord / AttTraceRecord
 BUFFERS = (("matmul_rows", "qmm_trace", MATMUL_RECORDS), ("attention", "att_trace", ATTENTION_RECORDS))
-LAUNCH_GAP_US = 10.0    # two records of one kernel whose starts are further apart come from two launches
+LAUNCH_GAP_US = 10.0    # two records of one kernel whose passes are further apart come from two launches
 PAGE_SIZE = 256
 
 
@@ -89,13 +89,14 @@ def traced_records(graph: DecodeGraph) -> np.ndarray:
 
 
 def launches(records: np.ndarray, names: dict) -> list[tuple[str, np.ndarray]]:
-    """(name, records) of each launch, in the order of their first pass: a kernel's records split where their starts
-    are more than LAUNCH_GAP_US apart."""
+    """(name, records) of each launch, in the order of their first pass: a kernel's records split where their passes
+    through the wait are more than LAUNCH_GAP_US apart (not their starts: a block that finds no free slot until the
+    launch before it ends starts late, and still passes with the others)."""
     out = []
     for op in np.unique(records["op"]):
         mine = records[records["op"] == op]
-        mine = mine[np.argsort(mine["t"][:, 0])]
-        cuts = np.nonzero(np.diff(mine["t"][:, 0].astype(np.int64)) > LAUNCH_GAP_US * 1e3)[0] + 1
+        mine = mine[np.argsort(mine["t"][:, 1])]
+        cuts = np.nonzero(np.diff(mine["t"][:, 1].astype(np.int64)) > LAUNCH_GAP_US * 1e3)[0] + 1
         name = "attention" if op == 2 else names.get((int(op >> 1 & 7), int(op >> 4) * 32), f"op {op}")
         if op & 1 == 0 and op != 2:
             name = "stage " + name
@@ -106,14 +107,14 @@ def launches(records: np.ndarray, names: dict) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-COLUMNS = ("start", "pass first", "pass last", "walked", "end", "gap")
+COLUMNS = ("start", "pass first", "pass last", "work", "walked", "end", "gap")
 
 
 def launch_row(name: str, r: np.ndarray, t0: int, previous_end: float | None) -> dict:
     """A launch's columns (us from t0) and, for attention, its warps' phases (medians, us)."""
     t = (r["t"].astype(np.int64) - t0) / 1e3
     row = dict(name=name, start=t[:, 0].min(), **{"pass first": t[:, 1].min(), "pass last": t[:, 1].max()},
-               walked=t[:, 2].max(), end=t[:, 3].max())
+               walked=t[:, 2].max(), end=t[:, 3].max(), work=float(np.median(t[:, 2] - t[:, 1])))
     row["gap"] = row["pass first"] - previous_end if previous_end is not None else float("nan")
     if name == "attention":
         row.update(before_wait=float(np.median(t[:, 1] - t[:, 0])), staging=float(np.median(t[:, 4] - t[:, 1])),
@@ -141,16 +142,18 @@ def layer_rows(records: np.ndarray, names: dict) -> tuple[list[list[dict]], floa
 
 
 def medians(per_run: list[list[list[dict]]]) -> list[dict]:
-    """The middle half of the layers (the first and last differ: embedding, head), medians over layers and runs,
-    per launch position of a layer."""
+    """The middle half of the layers (the first and last differ: embedding, head), medians over layers and runs of
+    each launch of a layer (by name, in the order of the first such layer; a launch some layers lack is left out)."""
     n_layers = min(len(layers) for layers in per_run)
     pick = [layers[l] for layers in per_run for l in range(n_layers // 4, 3 * n_layers // 4)]
-    width = min(len(rows) for rows in pick)
+    keyed = [{(r["name"], sum(q["name"] == r["name"] for q in layer[:i])): r for i, r in enumerate(layer)}
+             for layer in pick]
     out = []
-    for i in range(width):
-        rows = [layer[i] for layer in pick]
-        keys = [k for k in rows[0] if k != "name" and all(k in r for r in rows)]
-        out.append(dict(name=rows[0]["name"], **{k: statistics.median(r[k] for r in rows) for k in keys}))
+    for key in keyed[0]:
+        if all(key in layer for layer in keyed):
+            rows = [layer[key] for layer in keyed]
+            cols = [k for k in rows[0] if k != "name" and all(k in r for r in rows)]
+            out.append(dict(name=key[0], **{k: statistics.median(r[k] for r in rows) for k in cols}))
     return out
 
 
@@ -173,7 +176,7 @@ def trace_shape(shape: str, context: int, mode: str, runs: int) -> dict:
         per_run.append(layers)
         spans.append(span)
     rows = medians(per_run)
-    layer_us = next(r["pass first"] for r in rows if r["name"] == "next qkv")
+    layer_us = next((r["pass first"] for r in rows if r["name"] == "next qkv"), float("nan"))
     print(f"\n{shape}, ctx {context}, {mode} cache: replayed step {plain:.1f} us, {traced:.1f} with the probes; "
           f"traced span {statistics.median(spans):.1f} us; a middle layer {layer_us:.2f} us (medians of {runs} runs)")
     print(f"{'launch':10s} " + " ".join(f"{c:>10s}" for c in COLUMNS))

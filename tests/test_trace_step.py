@@ -21,14 +21,16 @@ GAP_NS = 800
 
 def made_up_step(n_layers: int, seed: int = 0) -> np.ndarray:
     """A step of n_layers layers and a head; every launch's warps pass their wait within 300 ns of each other and
-    end within 200 ns of the launch's end, which is GAP_NS before the next launch's first pass."""
+    end within 200 ns of the launch's end, which is GAP_NS before the next launch's first pass. A quarter of each
+    launch's warps start only 15 us after the others (their blocks found no free slot before), yet pass with them."""
     rng = np.random.default_rng(seed)
     rows, t = [], 5_000_000
     for op, warps, us in LAYER * n_layers + [(LAYER[2][0], 16, 20.0)]:
-        for _ in range(warps):
+        for w in range(warps):
             passed = t + int(rng.integers(0, 300))
             end = t + int(us * 1000) - int(rng.integers(0, 200))
-            rows.append(((passed - 2000, passed, end - 300, end, passed + 150), op))
+            start = passed - (2000 if w % 4 else 17000)
+            rows.append(((start, passed, end - 300, end, passed + 150), op))
         t += int(us * 1000) + GAP_NS
     records = np.zeros(len(rows), trace_step.RECORD)
     for i, (stamps, op) in enumerate(rows):
@@ -41,9 +43,10 @@ def test_records_come_back_as_the_layers_launches_in_order():
     assert len(layers) == 6
     assert [r["name"] for r in layers[0]] == ["qkv", "attention", "o", "gate_up", "down", "next qkv"]
     assert [r["name"] for r in layers[-1]] == ["qkv", "attention", "o", "gate_up", "down", "head"]
+    assert all(abs(r["start"] - r["pass first"] + 17) < 0.31 for r in layers[2][:-1])    # the late blocks' start
     layer_us = sum(us for _, _, us in LAYER) + len(LAYER) * GAP_NS / 1e3
     assert abs(layers[0][-1]["pass first"] - layer_us) < 0.31
-    assert 6 * layer_us + 20 < span < 6 * layer_us + 23
+    assert 6 * layer_us + 36.5 < span < 6 * layer_us + 37.5      # from the first late start to the head's end
 
 
 def test_medians_give_each_launch_its_gap_and_attention_its_phases():
