@@ -1,10 +1,12 @@
 """Where a replayed decode step's time goes, launch by launch, from stamps the kernels write (qmm_rows.cuh TRACE in
 the one-row matmuls, attention.cu TRACE in decode attention): per launch of a layer, its first warp's start, its
-warps' passes through their wait (first .. last), the last walk's (attention: key loop's) end and its end, and the
-gap from the launch before's end to this one's first pass; for attention also its warps' phases (before the wait,
-staging the queries and the new key, the key loop, the merge and the output). Times in us from the layer's first
-q/k/v pass, medians over the middle half of the layers and over runs. The probes cost the step time of their own:
-the replay with and without them is printed first.
+warps' passes through their wait (first .. last), the last walk's (attention: key loop's) end and its end, the gap
+from the launch before's end to this one's first pass, and where its end comes from (its warps' longest tail after
+their walk, the summing warps' median tail, the share and last end of warps whose block became resident only as
+the launch before ended); for attention also its warps' phases (before the wait, staging the queries and the new
+key, the key loop, the merge and the output). Times in us from the layer's first q/k/v pass, medians over the
+middle half of the layers and over runs. The probes cost the step time of their own: the replay with and without
+them is printed first.
 
     python benchmarks/trace_step.py [--shapes llama-3.2-1b,llama-3-8b] [--context 256] [--mode fp16] [--runs 10]
 """
@@ -107,7 +109,8 @@ def launches(records: np.ndarray, names: dict) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-COLUMNS = ("start", "pass first", "pass last", "work", "walked", "end", "gap")
+COLUMNS = ("start", "pass first", "pass last", "work", "walked", "end", "gap", "tail max", "sum tail", "late %",
+           "late end")
 
 
 def launch_row(name: str, r: np.ndarray, t0: int, previous_end: float | None) -> dict:
@@ -116,6 +119,13 @@ def launch_row(name: str, r: np.ndarray, t0: int, previous_end: float | None) ->
     row = dict(name=name, start=t[:, 0].min(), **{"pass first": t[:, 1].min(), "pass last": t[:, 1].max()},
                walked=t[:, 2].max(), end=t[:, 3].max(), work=float(np.median(t[:, 2] - t[:, 1])))
     row["gap"] = row["pass first"] - previous_end if previous_end is not None else float("nan")
+    # where a launch's end comes from: its warps' longest tail (walk's end to end), the median tail of the warps that
+    # summed a strip (split-K's last arrival, or a cluster's summing warp), and the warps whose block became resident
+    # only as the launch before ended (started within 1 us of this launch's first pass): their share, their last end
+    tails, summed = t[:, 3] - t[:, 2], (r["where"] >> 15 & 1).astype(bool)
+    late = t[:, 0] > row["pass first"] - 1.0
+    row.update(**{"tail max": tails.max(), "sum tail": float(np.median(tails[summed])) if summed.any() else np.nan,
+                  "late %": 100.0 * late.mean(), "late end": t[late, 3].max() if late.any() else np.nan})
     if name == "attention":
         row.update(before_wait=float(np.median(t[:, 1] - t[:, 0])), staging=float(np.median(t[:, 4] - t[:, 1])),
                    key_loop=float(np.median(t[:, 2] - t[:, 4])), merge_out=float(np.median(t[:, 3] - t[:, 2])))
