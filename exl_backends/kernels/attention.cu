@@ -82,8 +82,7 @@ struct AttStamps {
     }
     __device__ __forceinline__ void at(int i) const
     {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+        const unsigned long long t = exl::globaltimer();
         if (threadIdx.x % 32 == 0) slot()[i] = t;
     }
     __device__ __forceinline__ void emit() const
@@ -91,8 +90,7 @@ struct AttStamps {
         if (threadIdx.x % 32) return;
         const unsigned i = atomicAdd(&att_trace_n, 1u);
         if (i >= ATT_TRACE) return;
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const unsigned sm = exl::smid();
         AttTraceRecord& r = att_trace[i];
         for (int k = 0; k < 5; ++k) r.t[k] = slot()[k];
         r.op = 2;

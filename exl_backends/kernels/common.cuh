@@ -108,6 +108,20 @@ __device__ __forceinline__ unsigned load_stream(const unsigned* p) { return __ld
 // Starts the DRAM read of p's 128-byte line into L2 without waiting or using a register.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// The trace probes' clock and place (qmm_rows.cuh and attention.cu TRACE): ns on one clock for all SMs; the SM.
+__device__ __forceinline__ unsigned long long globaltimer()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+__device__ __forceinline__ unsigned smid()
+{
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    return sm;
+}
+
 // One arrival at a split-K counter: returns the count before it. Release: what the caller's group wrote before a
 // barrier with it (__syncwarp / __syncthreads) is visible device-wide first (release is cumulative); acquire: the
 // last to arrive then reads everyone's partials (past L1: __ldcg) after its group's next barrier. One atomic in place

@@ -66,8 +66,7 @@ struct Stamps {
     }
     __device__ __forceinline__ void at(int i) const
     {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+        const unsigned long long t = globaltimer();
         if (threadIdx.x % 32 == 0) slot()[i] = t;
     }
     __device__ __forceinline__ void start() const
@@ -84,8 +83,7 @@ struct Stamps {
         if (threadIdx.x % 32) return;
         const unsigned i = atomicAdd(&qmm_trace_n, 1u);
         if (i >= QMM_TRACE) return;
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const unsigned sm = smid();
         TraceRecord& r = qmm_trace[i];
         for (int k = 0; k < 5; ++k) r.t[k] = slot()[k];
         r.op = kind | n_parts << 1 | K / 32 << 4;
