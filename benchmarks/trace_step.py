@@ -6,7 +6,8 @@ their walk, the summing warps' median tail, the share and last end of warps whos
 the launch before ended); for attention also its warps' phases (before the wait, staging the queries and the new
 key, the key loop, the merge and the output). Times in us from the layer's first q/k/v pass, medians over the
 middle half of the layers and over runs. The probes cost the step time of their own: the replay with and without
-them is printed first.
+them is printed first. Attention is stamped only where a row's keys take one block (up to 512 keys: attention.cu
+ONE_SPLIT); at longer contexts its launches are left out.
 
     python benchmarks/trace_step.py [--shapes llama-3.2-1b,llama-3-8b] [--context 256] [--mode fp16] [--runs 10]
 """

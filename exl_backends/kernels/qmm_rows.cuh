@@ -34,7 +34,8 @@
 //   written; for a strip's last warp, the reduction), a split's warps also after their arrival at the strip's
 //   counter (the last to arrive flagged: it sums), then appends them as one TraceRecord to qmm_trace[0 .. n)
 //   (qmm_trace_n counts, past n too). The stamps wait in shared memory, so the kernels' registers are as without.
-//   benchmarks/bench_segment.py --trace reads them back and says where each op's time goes.
+//   benchmarks/bench_segment.py --trace reads them back and says where each op's time goes (trace_step.py: in the
+//   whole replayed decode step, beside attention.cu's).
 #ifndef QMM_TRACE
 #define QMM_TRACE 0
 #endif

@@ -113,8 +113,8 @@ class Model:
         """Where a decode row's one-row launch does the work of the norm after it (QuantMatmul.norm_feed: no launch
         stages the next one's x): o into the MLP's gate/up, down into the next block's q/k/v on the same stage; and
         where a fed gate/up stages down's x itself (QuantMatmul.link_gating); the last block's down into a quantized
-        head's final norm; the embedding's gather into the first block's q/k/v (embed_tokens). Not where an output norm (Gemma 2/3) or routed experts come between, nor into a dense or
-        CPU layer."""
+        head's final norm; the embedding's gather into the first block's q/k/v (embed_tokens). Not where an output
+        norm (Gemma 2/3) or routed experts come between, nor into a dense or CPU layer."""
         eps = self.config.rms_norm_eps
         for stage in self.stages:
             for i in stage.layers:
