@@ -91,7 +91,7 @@ def main() -> None:
                     os.environ["EXL_MEGAKERNEL"] = "0" if flag == "rope-apart" else flag
                     model.ops = dataclasses.replace(ops, rope_attention=None) if flag == "rope-apart" else ops
                     if args.defines:
-                        use_define(define, {"matmul_rows", "megakernel"})
+                        use_define(define, {"matmul_rows", "megakernel", "attention"})
                     r = decode_speed(model, ctx, mode)
                     bound = bw / r["bytes"]
                     if not r["finite"]:

@@ -10,6 +10,7 @@ them is printed first. Attention is stamped only where a row's keys take one blo
 ONE_SPLIT); at longer contexts its launches are left out.
 
     python benchmarks/trace_step.py [--shapes llama-3.2-1b,llama-3-8b] [--context 256] [--mode fp16] [--runs 10]
+        [--define ATT_REG_ROPE=1]    (a kernel variant, both the plain and the traced step)
 """
 from __future__ import annotations
 
@@ -168,17 +169,17 @@ def medians(per_run: list[list[list[dict]]]) -> list[dict]:
     return out
 
 
-def trace_shape(shape: str, context: int, mode: str, runs: int) -> dict:
+def trace_shape(shape: str, context: int, mode: str, runs: int, define: str = "") -> dict:
     s = SHAPES[shape]
     d, hd = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
     names = {(3, d): "qkv", (1, s["num_attention_heads"] * hd): "o", (2, d): "gate_up",
              (1, s["intermediate_size"]): "down"}
     model = synthetic_model(shape)
-    use_define("", FAMILIES)
+    use_define(define, FAMILIES)
     graph, runner = step_graph(model, context, mode)
     plain = replay_us(graph)
     del graph, runner
-    use_define(DEFINE, FAMILIES)
+    use_define("+".join(filter(None, (DEFINE, define))), FAMILIES)
     graph, runner = step_graph(model, context, mode)
     traced = replay_us(graph)
     per_run, spans = [], []
@@ -199,8 +200,8 @@ def trace_shape(shape: str, context: int, mode: str, runs: int) -> dict:
               "{key_loop:.2f}, merge and output {merge_out:.2f} us".format(**att))
     del graph, runner, model
     torch.cuda.empty_cache()
-    return dict(shape=shape, context=context, cache_mode=mode, replay_us=plain, traced_replay_us=traced,
-                layer_us=layer_us, launches=rows)
+    return dict(shape=shape, context=context, cache_mode=mode, define=define, replay_us=plain,
+                traced_replay_us=traced, layer_us=layer_us, launches=rows)
 
 
 def main() -> None:
@@ -209,9 +210,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--mode", default="fp16")
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--define", default="", help="a kernel variant traced, e.g. ATT_REG_ROPE=1 ('+' between several)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
-    results = [trace_shape(shape, args.context, args.mode, args.runs) for shape in args.shapes.split(",")]
+    results = [trace_shape(shape, args.context, args.mode, args.runs, args.define)
+               for shape in args.shapes.split(",")]
     out = os.environ.get("OUT")
     if out:
         path = Path(out, "trace_step.json")

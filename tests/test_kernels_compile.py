@@ -102,6 +102,19 @@ def test_the_attention_trace_probe_compiles():
     assert b"\0att_trace_n\0" in out.stdout and b"\0att_trace\0" in out.stdout
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_the_rope_in_registers_probe_compiles_without_spills():
+    """attention.cu ATT_REG_ROPE (docs/megakernel.md): the fp16 decode kernels it changes keep every value in
+    registers (the head_dim 128 one holds ~230 of its 255)."""
+    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "--use_fast_math",
+                          "-DATT_REG_ROPE=1", "-Xptxas", "-v", "-o", "/dev/null", str(KERNEL_DIR / "attention.cu")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for dh in (64, 128):
+        report = out.stderr.split(f"Compiling entry function 'paged_decode_fp16_d{dh}'")[1]
+        assert "0 bytes spill stores, 0 bytes spill loads" in report.split("Compiling entry function")[0]
+
+
 LISTING = """
 .text.k:
         /*0000*/                   MOV R1, c[0x0][0x28] ;

@@ -71,6 +71,15 @@ __device__ unsigned att_trace_n;
 }
 #endif
 
+// ROPE IN REGISTERS (a probe; ATT_REG_ROPE=1, 0 by default, and then the decode kernels are as before it): with
+//   RoPE here and an fp16 cache at head_dim 64 or 128, each lane rotates the query pieces it loads for its B
+//   fragments itself (a lane's pieces hold both dims of every pair it rotates), and only the warp whose tiles hold
+//   the new key writes it, so the queries skip shared memory and the block its two barriers before the key loop
+//   (docs/megakernel.md "Attention's staging in registers").
+#ifndef ATT_REG_ROPE
+#define ATT_REG_ROPE 0
+#endif
+
 namespace {
 
 struct AttStamps {
@@ -512,29 +521,42 @@ __device__ __forceinline__ void prefetch_old_keys(const unsigned char* k_cache, 
 #endif
 }
 
-// RoPE on kv head kv_head's key of the row's new token, then its key and value into the cache at the token's slot,
-// as rope_kv_write does: fp16 rows, each thread a pair of elements; quantized, a warp per 64-element chunk (warps
-// 0 .. DH/64 - 1 the key's, the next ones the value's).
-template <int DH, int K_BITS, int V_BITS>
-__device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int kv_head, int n_kv_heads,
-                                                unsigned char* k_cache, unsigned char* v_cache, half* k_scales,
-                                                half* v_scales) {
+// RoPE on kv head kv_head's key of the row's new token, then its key and value into the fp16 cache at the token's
+// slot, as rope_kv_write does: thread t of N (a block's threads, or a warp's lanes) a pair of elements at a time.
+template <int DH, int N>
+__device__ __forceinline__ void write_new_fp16(const NewToken& nt, int row, int kv_head, int n_kv_heads,
+                                               unsigned char* k_cache, unsigned char* v_cache, unsigned t) {
     const size_t slot = (size_t)__ldcg(nt.slots + row);
     const half* k = nt.k + ((size_t)row * n_kv_heads + kv_head) * DH;
     const half* v = nt.v + ((size_t)row * n_kv_heads + kv_head) * DH;
     const half* cs = nt.cos + (size_t)row * DH;
     const half* sn = nt.sin + (size_t)row * DH;
     const int width = n_kv_heads * DH;
+    for (int e = 2 * t; e < 2 * DH; e += 2 * N) {
+        const bool is_k = e < DH;
+        const int d = is_k ? e : e - DH;
+        const half2 x = is_k ? kv::rope_pair(k, cs, sn, d, DH) : *reinterpret_cast<const half2*>(v + d);
+        *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + slot * width +
+                                  (size_t)kv_head * DH + d) = x;
+    }
+}
+
+// The new token's key (after RoPE) and value into the cache, by the whole block: fp16 as write_new_fp16; quantized,
+// a warp per 64-element chunk (warps 0 .. DH/64 - 1 the key's, the next ones the value's).
+template <int DH, int K_BITS, int V_BITS>
+__device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int kv_head, int n_kv_heads,
+                                                unsigned char* k_cache, unsigned char* v_cache, half* k_scales,
+                                                half* v_scales) {
     if constexpr (K_BITS == 16) {
         static_assert(V_BITS == 16, "fp16 keys go with fp16 values");
-        for (int e = 2 * threadIdx.x; e < 2 * DH; e += 2 * THREADS) {
-            const bool is_k = e < DH;
-            const int d = is_k ? e : e - DH;
-            const half2 x = is_k ? kv::rope_pair(k, cs, sn, d, DH) : *reinterpret_cast<const half2*>(v + d);
-            *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + slot * width +
-                                      (size_t)kv_head * DH + d) = x;
-        }
+        write_new_fp16<DH, THREADS>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, threadIdx.x);
     } else {
+        const size_t slot = (size_t)__ldcg(nt.slots + row);
+        const half* k = nt.k + ((size_t)row * n_kv_heads + kv_head) * DH;
+        const half* v = nt.v + ((size_t)row * n_kv_heads + kv_head) * DH;
+        const half* cs = nt.cos + (size_t)row * DH;
+        const half* sn = nt.sin + (size_t)row * DH;
+        const int width = n_kv_heads * DH;
         constexpr int CHUNKS = DH / 64;
         static_assert(DH % 64 == 0 && 2 * CHUNKS <= WARPS, "a warp per 64-element chunk of the key and the value");
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -547,6 +569,25 @@ __device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int
                                (is_k ? k_scales : v_scales) + slot * (width / 32), kv_head * CHUNKS + warp % CHUNKS,
                                bits, lane);
         }
+    }
+}
+
+// RoPE on a lane's query words as the unstaged fp16 path loads them (w: the pieces qd, qd + 4, ... of head g's row;
+// c, s: the row's cos and sin at the same pieces), rounded as kv::rope_at: word i and word i + K_WORDS / 2 hold dims
+// d and d + DH / 2, so each lane rotates its own pairs (ROPE IN REGISTERS, paged_decode).
+template <class S>
+__device__ __forceinline__ void rope_words(unsigned (&w)[S::K_WORDS], const unsigned (&c)[S::K_WORDS],
+                                           const unsigned (&s)[S::K_WORDS]) {
+    constexpr int H = S::K_WORDS / 2;
+    const auto add = [](half2 a, half2 b) {
+        return exl::as_bits(__floats2half2_rn(__fadd_rn(__low2float(a), __low2float(b)),
+                                              __fadd_rn(__high2float(a), __high2float(b))));
+    };
+#pragma unroll
+    for (int i = 0; i < H; i++) {
+        const half2 lo = exl::as_half2(w[i]), hi = exl::as_half2(w[i + H]);
+        w[i] = add(__hmul2(lo, exl::as_half2(c[i])), __hmul2(__hneg2(hi), exl::as_half2(s[i])));
+        w[i + H] = add(__hmul2(hi, exl::as_half2(c[i + H])), __hmul2(lo, exl::as_half2(s[i + H])));
     }
 }
 
@@ -637,10 +678,16 @@ __device__ __forceinline__ void paged_decode(
     stamps.at(1);
 
     // fp16 K: lane (g, qd) loads head g's k elements (the pieces of the warp's part of a key row) straight into its
-    // B fragments; quantized K or RoPE here: the block stages them in shared memory (to rotate them) first.
+    // B fragments, and with RoPE here rotates them there (ROPE IN REGISTERS: where a lane's pieces hold both dims of
+    // each rotated pair, head_dim 64 and 128); quantized K, or RoPE at other head dims: the block stages them in
+    // shared memory (to rotate them) first.
     const bool rope = nt.k != nullptr;
-    const bool staged = K_BITS != 16 || rope;
+    constexpr bool REG_ROPE = ATT_REG_ROPE && K_BITS == 16 && S::DIM_PARTS == 1 && S::K_PIECES % 2 == 0;
+    const bool staged = K_BITS != 16 || (rope && !REG_ROPE);
     const bool writes = rope && pos >= t_begin && pos < t_end;   // the block whose split holds the new key
+    // ROPE IN REGISTERS: the new key and value are written by the one warp whose tiles hold the new key, which sees
+    // its own writes after a __syncwarp: no block barrier before the key loop.
+    const bool writer = writes && (int)(pos - t_begin) / S::KT % S::TILE_SLOTS == slot;
     // fp16 K and V: the warp's first tile is in flight while the queries are staged; in the writing block, after its
     // writes (and the barrier below) only where the tile reaches the new key: the others hold older keys alone, which
     // prefetch_old_keys has brought into L2. Quantized caches load as before both (measured, H100 2026-12-07: with
@@ -660,6 +707,21 @@ __device__ __forceinline__ void paged_decode(
                 load_words<S::K_PIECE>(reinterpret_cast<const unsigned char*>(q_row + g * DH + dim0) +
                                            (qd + 4 * j) * S::K_PIECE,
                                        &w[j * S::K_PIECE / 4]);
+        }
+        if constexpr (REG_ROPE) {
+            if (rope) {
+                const auto* cs = reinterpret_cast<const unsigned char*>(nt.cos + (size_t)row * DH);
+                const auto* sn = reinterpret_cast<const unsigned char*>(nt.sin + (size_t)row * DH);
+                unsigned c[S::K_WORDS], s[S::K_WORDS];
+#pragma unroll
+                for (int j = 0; j < S::K_PIECES; j++) {
+                    load_words<S::K_PIECE>(cs + (qd + 4 * j) * S::K_PIECE, &c[j * S::K_PIECE / 4]);
+                    load_words<S::K_PIECE>(sn + (qd + 4 * j) * S::K_PIECE, &s[j * S::K_PIECE / 4]);
+                }
+                if (writer) write_new_fp16<DH, 32>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, lane);
+                rope_words<S>(w, c, s);
+                __syncwarp();      // the writer's new key and value, visible to its own loads below
+            }
         }
 #pragma unroll
         for (int s = 0; s < S::STEPS; s++) qb[s][0] = w[2 * s], qb[s][1] = w[2 * s + 1];

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import attention_config, on_gpu, poison_allocator
+from kernel_testing import attention_config, compile_with, on_gpu, poison_allocator
 
 from exl_backends.errors import ConfigError
 from exl_backends.model import reference
@@ -192,22 +192,38 @@ def test_decode_replays_in_a_cuda_graph(mode, shape):
         assert_attention_close(out, reference.paged_attention(q, cache, 0, grown, 0.1))
 
 
+@pytest.fixture(params=["", "ATT_REG_ROPE=1"])
+def attention_define(request, monkeypatch):
+    """The decode kernels as built, and with the RoPE-in-registers probe (attention.cu ATT_REG_ROPE)."""
+    from exl_backends.kernels import loader
+    if request.param:
+        compile_with(monkeypatch, "attention", request.param)
+    yield request.param
+    if request.param:
+        monkeypatch.undo()
+        loader._function.cache_clear()
+
+
 @on_gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(8, 4, 128), (8, 4, 64), (2, 8, 64), (3, 1, 128), (2, 12, 64), (4, 2, 256),
                                    (2, 2, 32)])
 @pytest.mark.parametrize("window", [None, 100])
-def test_rope_attention_is_rope_write_then_attention(mode, shape, window):
+def test_rope_attention_is_rope_write_then_attention(mode, shape, window, attention_define):
     """A decode batch from its projections (rope_attention: the kernel rotates q and k and writes the new keys and
     values itself; a group of 12 query heads takes rope_write's launch first): the cache after it bit for bit
     rope_write's, the output bit for bit the attention kernel's on that cache with rope_write's q. Rows of 1 to
-    5,000 keys (one split and several: the writing block is the last split's), the new key on and off page
-    boundaries, random page tables."""
+    5,000 keys (one split and several: the writing block is the last split's; the new key in the first and a later
+    round of a block's tiles, in several warps' tiles), the new key on and off page boundaries, random page tables.
+    The cos / sin tables are random, each dim's entry its own (real tables repeat their first half), so a kernel
+    that rotated a pair with the wrong dim's entry would fail. Also with the RoPE-in-registers probe (fp16)."""
     from exl_backends.kernels import attention, kv_cache
     hkv, group, dh = shape
     if mode != "fp16" and dh % 64:
         pytest.skip("quantized caches need head_dim % 64 == 0")
-    specs = [(n - 1, 1) for n in DECODE_LENS]
+    if attention_define and mode != "fp16":
+        pytest.skip("the probe changes the fp16 kernels only")
+    specs = [(n - 1, 1) for n in DECODE_LENS + [100]]
     lists, n_pages = shuffled_pages(specs, 256, seed=dh + group)
     (ours, g), (theirs, _) = (filled_cache(shape, mode, n_pages, 256, seed=dh + group) for _ in range(2))
     batch = Batch.build([SeqChunk([1], start, pages) for (start, _), pages in zip(specs, lists)], 256, "cuda")
@@ -215,8 +231,7 @@ def test_rope_attention_is_rope_write_then_attention(mode, shape, window):
     q = (torch.randn(rows, hkv * group, dh, device="cuda", generator=g) * 1.5).half()
     k = torch.randn(rows, hkv, dh, device="cuda", generator=g).half()
     v = (torch.randn(rows, hkv, dh, device="cuda", generator=g) - 0.3).half()
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dh, 2, device="cuda").float() / dh))
-    cos, sin = reference.rope_cos_sin(batch.positions, inv_freq, 1.0, torch.float16)
+    cos, sin = (torch.rand(2, rows, dh, device="cuda", generator=g) * 2 - 1).half().unbind()
     options = {} if window is None else {"window": window}
     poison_allocator()
     out = attention.rope_attention(q, k, v, cos, sin, ours, 0, batch, dh ** -0.5, **options)
