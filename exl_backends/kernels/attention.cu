@@ -521,22 +521,30 @@ __device__ __forceinline__ void prefetch_old_keys(const unsigned char* k_cache, 
 #endif
 }
 
+// The row's new token for kv head kv_head: its cache slot, its key and value rows and its cos / sin rows.
+template <int DH>
+struct NewRow {
+    size_t slot;
+    const half *k, *v, *cs, *sn;
+    int width;        // elements per slot: n_kv_heads * DH
+
+    __device__ __forceinline__ NewRow(const NewToken& nt, int row, int kv_head, int n_kv_heads)
+        : slot((size_t)__ldcg(nt.slots + row)), k(nt.k + ((size_t)row * n_kv_heads + kv_head) * DH),
+          v(nt.v + ((size_t)row * n_kv_heads + kv_head) * DH), cs(nt.cos + (size_t)row * DH),
+          sn(nt.sin + (size_t)row * DH), width(n_kv_heads * DH) {}
+};
+
 // RoPE on kv head kv_head's key of the row's new token, then its key and value into the fp16 cache at the token's
 // slot, as rope_kv_write does: thread t of N (a block's threads, or a warp's lanes) a pair of elements at a time.
 template <int DH, int N>
 __device__ __forceinline__ void write_new_fp16(const NewToken& nt, int row, int kv_head, int n_kv_heads,
                                                unsigned char* k_cache, unsigned char* v_cache, unsigned t) {
-    const size_t slot = (size_t)__ldcg(nt.slots + row);
-    const half* k = nt.k + ((size_t)row * n_kv_heads + kv_head) * DH;
-    const half* v = nt.v + ((size_t)row * n_kv_heads + kv_head) * DH;
-    const half* cs = nt.cos + (size_t)row * DH;
-    const half* sn = nt.sin + (size_t)row * DH;
-    const int width = n_kv_heads * DH;
+    const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
     for (int e = 2 * t; e < 2 * DH; e += 2 * N) {
         const bool is_k = e < DH;
         const int d = is_k ? e : e - DH;
-        const half2 x = is_k ? kv::rope_pair(k, cs, sn, d, DH) : *reinterpret_cast<const half2*>(v + d);
-        *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + slot * width +
+        const half2 x = is_k ? kv::rope_pair(r.k, r.cs, r.sn, d, DH) : *reinterpret_cast<const half2*>(r.v + d);
+        *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + r.slot * r.width +
                                   (size_t)kv_head * DH + d) = x;
     }
 }
@@ -551,23 +559,18 @@ __device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int
         static_assert(V_BITS == 16, "fp16 keys go with fp16 values");
         write_new_fp16<DH, THREADS>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, threadIdx.x);
     } else {
-        const size_t slot = (size_t)__ldcg(nt.slots + row);
-        const half* k = nt.k + ((size_t)row * n_kv_heads + kv_head) * DH;
-        const half* v = nt.v + ((size_t)row * n_kv_heads + kv_head) * DH;
-        const half* cs = nt.cos + (size_t)row * DH;
-        const half* sn = nt.sin + (size_t)row * DH;
-        const int width = n_kv_heads * DH;
+        const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
         constexpr int CHUNKS = DH / 64;
         static_assert(DH % 64 == 0 && 2 * CHUNKS <= WARPS, "a warp per 64-element chunk of the key and the value");
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         if (warp < 2 * CHUNKS) {
             const bool is_k = warp < CHUNKS;
             const int d = warp % CHUNKS * 64 + 2 * lane;
-            const half2 x = is_k ? kv::rope_pair(k, cs, sn, d, DH) : *reinterpret_cast<const half2*>(v + d);
+            const half2 x = is_k ? kv::rope_pair(r.k, r.cs, r.sn, d, DH) : *reinterpret_cast<const half2*>(r.v + d);
             const int bits = is_k ? K_BITS : V_BITS;
-            kv::quantize_chunk(x, (is_k ? k_cache : v_cache) + slot * (width * bits / 8),
-                               (is_k ? k_scales : v_scales) + slot * (width / 32), kv_head * CHUNKS + warp % CHUNKS,
-                               bits, lane);
+            kv::quantize_chunk(x, (is_k ? k_cache : v_cache) + r.slot * (r.width * bits / 8),
+                               (is_k ? k_scales : v_scales) + r.slot * (r.width / 32),
+                               kv_head * CHUNKS + warp % CHUNKS, bits, lane);
         }
     }
 }
