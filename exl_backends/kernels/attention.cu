@@ -162,6 +162,19 @@ __device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) 
     }
 }
 
+// The words w[0 .. N/4-1] to N bytes (4, 8 or 16; N-aligned) of global memory: load_words' inverse.
+template <int N>
+__device__ __forceinline__ void store_words(unsigned char* p, const unsigned* w) {
+    if constexpr (N == 16) {
+        *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else if constexpr (N == 8) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    } else {
+        static_assert(N == 4, "4, 8 or 16 bytes");
+        *reinterpret_cast<unsigned*>(p) = w[0];
+    }
+}
+
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) { return exl::as_bits(__floats2half2_rn(lo, hi)); }
 
 // Two codes of a word as the fp16 pair ((c_a - zero) * scale, (c_b - zero) * scale): 8-bit, sel 0 -> bytes 0, 1 and
@@ -534,30 +547,22 @@ struct NewRow {
           sn(nt.sin + (size_t)row * DH), width(n_kv_heads * DH) {}
 };
 
-// RoPE on kv head kv_head's key of the row's new token, then its key and value into the fp16 cache at the token's
-// slot, as rope_kv_write does: thread t of N (a block's threads, or a warp's lanes) a pair of elements at a time.
-template <int DH, int N>
-__device__ __forceinline__ void write_new_fp16(const NewToken& nt, int row, int kv_head, int n_kv_heads,
-                                               unsigned char* k_cache, unsigned char* v_cache, unsigned t) {
-    const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
-    for (int e = 2 * t; e < 2 * DH; e += 2 * N) {
-        const bool is_k = e < DH;
-        const int d = is_k ? e : e - DH;
-        const half2 x = is_k ? kv::rope_pair(r.k, r.cs, r.sn, d, DH) : *reinterpret_cast<const half2*>(r.v + d);
-        *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + r.slot * r.width +
-                                  (size_t)kv_head * DH + d) = x;
-    }
-}
-
-// The new token's key (after RoPE) and value into the cache, by the whole block: fp16 as write_new_fp16; quantized,
-// a warp per 64-element chunk (warps 0 .. DH/64 - 1 the key's, the next ones the value's).
+// The new token's key (after RoPE) and value into the cache, by the whole block: fp16 a pair of elements a thread,
+// as rope_kv_write; quantized, a warp per 64-element chunk (warps 0 .. DH/64 - 1 the key's, the next ones the value's).
 template <int DH, int K_BITS, int V_BITS>
 __device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int kv_head, int n_kv_heads,
                                                 unsigned char* k_cache, unsigned char* v_cache, half* k_scales,
                                                 half* v_scales) {
     if constexpr (K_BITS == 16) {
         static_assert(V_BITS == 16, "fp16 keys go with fp16 values");
-        write_new_fp16<DH, THREADS>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, threadIdx.x);
+        const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
+        for (int e = 2 * threadIdx.x; e < 2 * DH; e += 2 * THREADS) {   // a pair of elements a thread
+            const bool is_k = e < DH;
+            const int d = is_k ? e : e - DH;
+            const half2 x = is_k ? kv::rope_pair(r.k, r.cs, r.sn, d, DH) : *reinterpret_cast<const half2*>(r.v + d);
+            *reinterpret_cast<half2*>(reinterpret_cast<half*>(is_k ? k_cache : v_cache) + r.slot * r.width +
+                                      (size_t)kv_head * DH + d) = x;
+        }
     } else {
         const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
         constexpr int CHUNKS = DH / 64;
@@ -713,16 +718,29 @@ __device__ __forceinline__ void paged_decode(
         }
         if constexpr (REG_ROPE) {
             if (rope) {
+                // lanes g = 0 and 1 also take the new token's key and value at their query pieces' places (every
+                // warp loads them, so that the loads go out with the queries'; the writer alone stores them)
+                const size_t at = ((size_t)row * n_kv_heads + kv_head) * DH;
                 const auto* cs = reinterpret_cast<const unsigned char*>(nt.cos + (size_t)row * DH);
                 const auto* sn = reinterpret_cast<const unsigned char*>(nt.sin + (size_t)row * DH);
-                unsigned c[S::K_WORDS], s[S::K_WORDS];
+                const auto* kv_row = reinterpret_cast<const unsigned char*>((g == 0 ? nt.k : nt.v) + at);
+                const size_t slot = (size_t)__ldcg(nt.slots + row);
+                unsigned c[S::K_WORDS], s[S::K_WORDS], x[S::K_WORDS];
 #pragma unroll
                 for (int j = 0; j < S::K_PIECES; j++) {
-                    load_words<S::K_PIECE>(cs + (qd + 4 * j) * S::K_PIECE, &c[j * S::K_PIECE / 4]);
-                    load_words<S::K_PIECE>(sn + (qd + 4 * j) * S::K_PIECE, &s[j * S::K_PIECE / 4]);
+                    const int piece = (qd + 4 * j) * S::K_PIECE;
+                    load_words<S::K_PIECE>(cs + piece, &c[j * S::K_PIECE / 4]);
+                    load_words<S::K_PIECE>(sn + piece, &s[j * S::K_PIECE / 4]);
+                    if (g < 2) load_words<S::K_PIECE>(kv_row + piece, &x[j * S::K_PIECE / 4]);
                 }
-                if (writer) write_new_fp16<DH, 32>(nt, row, kv_head, n_kv_heads, k_cache, v_cache, lane);
                 rope_words<S>(w, c, s);
+                if (g == 0) rope_words<S>(x, c, s);
+                if (writer && g < 2) {
+                    auto* dst = (g == 0 ? k_cache : v_cache) + (slot * n_kv_heads * DH + (size_t)kv_head * DH) * 2;
+#pragma unroll
+                    for (int j = 0; j < S::K_PIECES; j++)
+                        store_words<S::K_PIECE>(dst + (qd + 4 * j) * S::K_PIECE, &x[j * S::K_PIECE / 4]);
+                }
                 __syncwarp();      // the writer's new key and value, visible to its own loads below
             }
         }

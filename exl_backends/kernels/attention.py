@@ -87,8 +87,8 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, ca
         return paged_attention(q, cache, layer, batch, scale, window, softcap, into)
     if batch.page_size % PAGE_ALIGN:
         raise ValueError(f"page_size {batch.page_size} is not a multiple of {PAGE_ALIGN}")
-    tables = tuple(aligned(x.to(torch.float16).contiguous()) for x in (cos, sin))   # read in 16-byte pieces
-    new = (kv_cache.half_pairs(k), kv_cache.half_pairs(v), *tables, batch.slots.to(torch.int64).contiguous())
+    rows = tuple(aligned(x.to(torch.float16).contiguous()) for x in (k, v, cos, sin))   # read in 16-byte pieces
+    new = rows + (batch.slots.to(torch.int64).contiguous(),)
     return split_k(q, cache, layer, batch, batch.positions, None, scale, window, softcap, new, into)
 
 

@@ -66,8 +66,7 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache,
 
 
 def half_pairs(x: Tensor) -> Tensor:
-    """Contiguous fp16 with 4-byte aligned rows (rope_kv_write and the decode attention with RoPE move element
-    pairs)."""
+    """Contiguous fp16 with 4-byte aligned rows (rope_kv_write moves element pairs)."""
     return aligned(x.to(torch.float16).contiguous(), 4)
 
 
