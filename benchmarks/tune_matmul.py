@@ -60,13 +60,7 @@ def use_define(define: str, families=qm.FAMILIES) -> None:
     def module(family, cc):
         if family not in families or not define:
             return original(family, cc)
-        cp = loader.cupy()
-        source = f'#line 1 "{family}.cu"\n' + (loader.KERNEL_DIR / f"{family}.cu").read_text()
-        options = ("-std=c++17", f"-I{loader.KERNEL_DIR}", f"--gpu-architecture={loader.arch(cc)}",
-                   "--use_fast_math", *(f"-D{d}" for d in define.split("+")))
-        mod = cp.RawModule(code=source, options=options, backend="nvrtc")
-        mod.compile()
-        return mod
+        return loader.compile_module(family, cc, tuple(define.split("+")))
     module.__wrapped__ = original
     loader.module = module
     loader._function.cache_clear()         # kernels are looked up once per process otherwise

@@ -553,9 +553,9 @@ template <int DH, int K_BITS, int V_BITS>
 __device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int kv_head, int n_kv_heads,
                                                 unsigned char* k_cache, unsigned char* v_cache, half* k_scales,
                                                 half* v_scales) {
+    const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
     if constexpr (K_BITS == 16) {
         static_assert(V_BITS == 16, "fp16 keys go with fp16 values");
-        const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
         for (int e = 2 * threadIdx.x; e < 2 * DH; e += 2 * THREADS) {   // a pair of elements a thread
             const bool is_k = e < DH;
             const int d = is_k ? e : e - DH;
@@ -564,7 +564,6 @@ __device__ __forceinline__ void write_new_token(const NewToken& nt, int row, int
                                       (size_t)kv_head * DH + d) = x;
         }
     } else {
-        const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
         constexpr int CHUNKS = DH / 64;
         static_assert(DH % 64 == 0 && 2 * CHUNKS <= WARPS, "a warp per 64-element chunk of the key and the value");
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -720,11 +719,10 @@ __device__ __forceinline__ void paged_decode(
             if (rope) {
                 // lanes g = 0 and 1 also take the new token's key and value at their query pieces' places (every
                 // warp loads them, so that the loads go out with the queries'; the writer alone stores them)
-                const size_t at = ((size_t)row * n_kv_heads + kv_head) * DH;
-                const auto* cs = reinterpret_cast<const unsigned char*>(nt.cos + (size_t)row * DH);
-                const auto* sn = reinterpret_cast<const unsigned char*>(nt.sin + (size_t)row * DH);
-                const auto* kv_row = reinterpret_cast<const unsigned char*>((g == 0 ? nt.k : nt.v) + at);
-                const size_t slot = (size_t)__ldcg(nt.slots + row);
+                const NewRow<DH> r(nt, row, kv_head, n_kv_heads);
+                const auto* cs = reinterpret_cast<const unsigned char*>(r.cs);
+                const auto* sn = reinterpret_cast<const unsigned char*>(r.sn);
+                const auto* kv_row = reinterpret_cast<const unsigned char*>(g == 0 ? r.k : r.v);
                 unsigned c[S::K_WORDS], s[S::K_WORDS], x[S::K_WORDS];
 #pragma unroll
                 for (int j = 0; j < S::K_PIECES; j++) {
@@ -736,7 +734,7 @@ __device__ __forceinline__ void paged_decode(
                 rope_words<S>(w, c, s);
                 if (g == 0) rope_words<S>(x, c, s);
                 if (writer && g < 2) {
-                    auto* dst = (g == 0 ? k_cache : v_cache) + (slot * n_kv_heads * DH + (size_t)kv_head * DH) * 2;
+                    auto* dst = (g == 0 ? k_cache : v_cache) + (r.slot * r.width + (size_t)kv_head * DH) * 2;
 #pragma unroll
                     for (int j = 0; j < S::K_PIECES; j++)
                         store_words<S::K_PIECE>(dst + (qd + 4 * j) * S::K_PIECE, &x[j * S::K_PIECE / 4]);

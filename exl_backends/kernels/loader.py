@@ -66,9 +66,15 @@ def nvrtc_options(family: str) -> tuple[str, ...]:
 @functools.cache
 def module(family: str, cc: tuple[int, int]):
     """The compiled RawModule of `<family>.cu` for compute capability cc (memoised per process)."""
+    return compile_module(family, cc)
+
+
+def compile_module(family: str, cc: tuple[int, int], defines: tuple[str, ...] = ()):
+    """`<family>.cu` compiled by NVRTC for compute capability cc, with -D<define> for each of defines (a probe's
+    variant, for benchmarks and tests; the product compiles none)."""
     cp = cupy()
     source = f'#line 1 "{family}.cu"\n' + (KERNEL_DIR / f"{family}.cu").read_text()
-    options = nvrtc_options(family) + (f"--gpu-architecture={arch(cc)}",)
+    options = nvrtc_options(family) + (f"--gpu-architecture={arch(cc)}",) + tuple(f"-D{d}" for d in defines)
     try:
         mod = cp.RawModule(code=source, options=options, backend="nvrtc")
         mod.compile()

@@ -39,13 +39,7 @@ def compile_with(monkeypatch, family: str, define: str) -> None:
 
     @functools.cache
     def module(name, cc):
-        if name != family:
-            return original(name, cc)
-        source = f'#line 1 "{family}.cu"\n' + (loader.KERNEL_DIR / f"{family}.cu").read_text()
-        options = loader.nvrtc_options(family) + (f"--gpu-architecture={loader.arch(cc)}", f"-D{define}")
-        mod = loader.cupy().RawModule(code=source, options=options, backend="nvrtc")
-        mod.compile()
-        return mod
+        return loader.compile_module(name, cc, (define,)) if name == family else original(name, cc)
     monkeypatch.setattr(loader, "module", module)
     loader._function.cache_clear()
 
