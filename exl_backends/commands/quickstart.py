@@ -76,7 +76,7 @@ def default_exl2_dir(device: str | None = None) -> Path:
         source = default_model_dir()
         on_gpu = device == "cuda" or (device is None and torch.cuda.is_available())
         print(f"converting {DEFAULT_NAME} to EXL2 {QUICKSTART_BPW} bpw into {out} (once; "
-              f"{'seconds' if on_gpu else 'about 2 minutes on a 2-core CPU'}) ...", file=sys.stderr)
+              f"{'seconds' if on_gpu else '2-3 minutes on a 2-core CPU'}) ...", file=sys.stderr)
         # its own job directory: an unfinished job of an older quickstart (which sampled its rows) under the
         # default name has other options, and the converter would refuse to resume it
         convert(ConvertOptions(source, out, QUICKSTART_BPW, device="cuda" if on_gpu else "cpu",
