@@ -10,7 +10,7 @@ them is printed first. Attention is stamped only where a row's keys take one blo
 ONE_SPLIT); at longer contexts its launches are left out.
 
     python benchmarks/trace_step.py [--shapes llama-3.2-1b,llama-3-8b] [--context 256] [--mode fp16] [--runs 10]
-        [--define ATT_REG_ROPE=1]    (a kernel variant, both the plain and the traced step)
+        [--define NAME=VALUE]    (a kernel variant, both the plain and the traced step)
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--mode", default="fp16")
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--define", default="", help="a kernel variant traced, e.g. ATT_REG_ROPE=1 ('+' between several)")
+    ap.add_argument("--define", default="", help="a kernel variant traced, e.g. QMM_PREFETCH_BYTES=8192 ('+' between several)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     results = [trace_shape(shape, args.context, args.mode, args.runs, args.define)

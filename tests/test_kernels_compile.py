@@ -103,11 +103,11 @@ def test_the_attention_trace_probe_compiles():
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_the_rope_in_registers_probe_compiles_without_spills():
-    """attention.cu ATT_REG_ROPE (docs/megakernel.md): the fp16 decode kernels it changes keep every value in
-    registers (the head_dim 128 one holds ~230 of its 255)."""
+def test_the_fp16_decode_kernels_rotating_in_registers_have_no_spills():
+    """attention.cu ROPE IN REGISTERS (docs/megakernel.md): the fp16 decode kernels that rotate their queries in
+    registers keep every value there (the head_dim 128 one holds ~230 of its 255)."""
     out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "--use_fast_math",
-                          "-DATT_REG_ROPE=1", "-Xptxas", "-v", "-o", "/dev/null", str(KERNEL_DIR / "attention.cu")],
+                          "-Xptxas", "-v", "-o", "/dev/null", str(KERNEL_DIR / "attention.cu")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     for dh in (64, 128):

@@ -71,14 +71,10 @@ __device__ unsigned att_trace_n;
 }
 #endif
 
-// ROPE IN REGISTERS (a probe; ATT_REG_ROPE=1, 0 by default, and then the decode kernels are as before it): with
-//   RoPE here and an fp16 cache at head_dim 64 or 128, each lane rotates the query pieces it loads for its B
-//   fragments itself (a lane's pieces hold both dims of every pair it rotates), and only the warp whose tiles hold
-//   the new key writes it, so the queries skip shared memory and the block its two barriers before the key loop
-//   (docs/megakernel.md "Attention's staging in registers").
-#ifndef ATT_REG_ROPE
-#define ATT_REG_ROPE 0
-#endif
+// ROPE IN REGISTERS: with RoPE here and an fp16 cache at head_dim 64 or 128, each lane rotates the query pieces it
+//   loads for its B fragments itself (a lane's pieces hold both dims of every pair it rotates), and only the warp
+//   whose tiles hold the new key writes it, so the queries skip shared memory and the block its two barriers before
+//   the key loop (docs/megakernel.md "Attention's staging in registers").
 
 namespace {
 
@@ -689,7 +685,7 @@ __device__ __forceinline__ void paged_decode(
     // each rotated pair, head_dim 64 and 128); quantized K, or RoPE at other head dims: the block stages them in
     // shared memory (to rotate them) first.
     const bool rope = nt.k != nullptr;
-    constexpr bool REG_ROPE = ATT_REG_ROPE && K_BITS == 16 && S::DIM_PARTS == 1 && S::K_PIECES % 2 == 0;
+    constexpr bool REG_ROPE = K_BITS == 16 && S::DIM_PARTS == 1 && S::K_PIECES % 2 == 0;
     const bool staged = K_BITS != 16 || (rope && !REG_ROPE);
     const bool writes = rope && pos >= t_begin && pos < t_end;   // the block whose split holds the new key
     // ROPE IN REGISTERS: the new key and value are written by the one warp whose tiles hold the new key, which sees

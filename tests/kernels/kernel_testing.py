@@ -1,8 +1,6 @@
-"""Helpers of the kernel tests (tests/kernels): the GPU marker, poisoned allocations, small model configs, kernel
-variants built with a probe's define."""
+"""Helpers of the kernel tests (tests/kernels): the GPU marker, poisoned allocations, small model configs."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import pytest
@@ -28,20 +26,6 @@ def poison_allocator() -> None:
               for n in (2**k for k in range(6, 27)) for _ in range(2)]
     del blocks
     torch.cuda.synchronize()
-
-
-def compile_with(monkeypatch, family: str, define: str) -> None:
-    """Until the test ends, `<family>.cu` is compiled with -D<define> (a probe: attention.cu ATT_REG_ROPE) for every
-    launch; other families as built. The loader looks kernels up once per process, so its lookups are cleared at both
-    ends (monkeypatch restores loader.module; call this from a fixture that clears them again afterwards)."""
-    from exl_backends.kernels import loader
-    original = loader.module
-
-    @functools.cache
-    def module(name, cc):
-        return loader.compile_module(name, cc, (define,)) if name == family else original(name, cc)
-    monkeypatch.setattr(loader, "module", module)
-    loader._function.cache_clear()
 
 
 def attention_config(n_heads: int, n_kv_heads: int, head_dim: int, n_layers: int = 1) -> ModelConfig:
