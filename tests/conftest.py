@@ -1,6 +1,7 @@
 """Shared test helpers: tiny random models built with transformers, and the reference fixtures."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -74,3 +75,23 @@ def unlink_norms(model) -> None:
         kernel = getattr(unit, "kernel", None)
         if kernel is not None:
             kernel.feeding = kernel.fed_by = kernel.gating = None
+
+
+@pytest.fixture(params=["", "ATT_TILE_BEFORE_WAIT=1"])
+def attention_probe(request, monkeypatch):
+    """attention.cu as built, and with its probe's define (TILE BEFORE WAIT): until the test ends, attention.cu is
+    compiled with it for every launch, other families as built. The loader looks kernels up once per process, so
+    its lookups are cleared at both ends."""
+    from exl_backends.kernels import loader
+    if request.param:
+        original = loader.module
+
+        @functools.cache
+        def module(name, cc):
+            return loader.compile_module(name, cc, (request.param,)) if name == "attention" else original(name, cc)
+        monkeypatch.setattr(loader, "module", module)
+        loader._function.cache_clear()
+    yield request.param
+    if request.param:
+        monkeypatch.undo()
+        loader._function.cache_clear()

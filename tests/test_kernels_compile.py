@@ -115,6 +115,19 @@ def test_the_fp16_decode_kernels_rotating_in_registers_have_no_spills():
         assert "0 bytes spill stores, 0 bytes spill loads" in report.split("Compiling entry function")[0]
 
 
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_the_tile_before_wait_probe_compiles_without_spills():
+    """attention.cu ATT_TILE_BEFORE_WAIT (docs/megakernel.md): the fp16 decode kernels keep every value in registers
+    with a warp's first tile loaded before the wait."""
+    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "--use_fast_math",
+                          "-DATT_TILE_BEFORE_WAIT=1", "-Xptxas", "-v", "-o", "/dev/null",
+                          str(KERNEL_DIR / "attention.cu")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for dh in (16, 32, 64, 96, 128, 256):
+        report = out.stderr.split(f"Compiling entry function 'paged_decode_fp16_d{dh}'")[1]
+        assert "0 bytes spill stores, 0 bytes spill loads" in report.split("Compiling entry function")[0]
+
 LISTING = """
 .text.k:
         /*0000*/                   MOV R1, c[0x0][0x28] ;

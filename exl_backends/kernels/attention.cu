@@ -76,6 +76,15 @@ __device__ unsigned att_trace_n;
 //   whose tiles hold the new key writes it, so the queries skip shared memory and the block its two barriers before
 //   the key loop (docs/megakernel.md "Attention's staging in registers").
 
+// TILE BEFORE WAIT (a probe; ATT_TILE_BEFORE_WAIT=1, 0 by default, and then the decode kernels are as before it):
+//   with RoPE here (the launch writes its rows' new keys itself) and an fp16 cache, each warp whose first tile holds
+//   only keys older than the new one loads it before pdl_wait, past L1. Those keys are final before the step
+//   starts (earlier steps wrote them, and a step's first launch waits for all work before it: prefetch_old_keys'
+//   argument), so after the wait a warp loads only its queries (docs/megakernel.md "Still to do").
+#ifndef ATT_TILE_BEFORE_WAIT
+#define ATT_TILE_BEFORE_WAIT 0
+#endif
+
 namespace {
 
 struct AttStamps {
@@ -143,18 +152,18 @@ __device__ __forceinline__ float column_sum(float x) {
 
 // N bytes (4, 8 or 16; N-aligned) from global memory into the words w[0 .. N/4-1]. Plain loads, not the read-only
 // path: the cache's newest key may have been written by this block (paged_decode with RoPE), which a barrier
-// makes visible to plain loads only.
-template <int N>
+// makes visible to plain loads only. L2: past L1 (before pdl_wait an SM's L1 may hold an earlier step's lines).
+template <int N, bool L2 = false>
 __device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) {
     if constexpr (N == 16) {
-        const uint4 x = *reinterpret_cast<const uint4*>(p);
+        const uint4 x = L2 ? __ldcg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
         w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
     } else if constexpr (N == 8) {
-        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        const uint2 x = L2 ? __ldcg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
         w[0] = x.x, w[1] = x.y;
     } else {
         static_assert(N == 4, "4, 8 or 16 bytes");
-        w[0] = *reinterpret_cast<const unsigned*>(p);
+        w[0] = L2 ? __ldcg(reinterpret_cast<const unsigned*>(p)) : *reinterpret_cast<const unsigned*>(p);
     }
 }
 
@@ -270,18 +279,19 @@ struct Cache {
 };
 
 // Issues every load of the tile at keys t0 .. t0+KT-1 of the row (keys past t_end re-read key t_end-1; their scores
-// are masked), without waiting for any.
-template <int DH, int K_BITS, int V_BITS, int KT>
+// are masked), without waiting for any. L2: the table and the words past L1 (fp16 only: before pdl_wait).
+template <int DH, int K_BITS, int V_BITS, int KT, bool L2 = false>
 __device__ __forceinline__ void load_tile(Tile<Shape<DH, K_BITS, V_BITS, KT>>& tile, const Cache& c,
                                           const int* __restrict__ table, int page_size, int t0, int t_end,
                                           int lane) {
     using S = Shape<DH, K_BITS, V_BITS, KT>;
+    static_assert(!L2 || (K_BITS == 16 && V_BITS == 16), "the scales' loads have no L2 form");
     const int g = lane >> 2, qd = lane & 3;
     int slot[S::KT / 32];   // lane l: the slot of key t0 + l + 32i
 #pragma unroll
     for (int i = 0; i < S::KT / 32; i++) {
         const int t = min(t0 + lane + 32 * i, t_end - 1);
-        slot[i] = __ldg(table + t / page_size) * page_size + t % page_size;
+        slot[i] = (L2 ? __ldcg(table + t / page_size) : __ldg(table + t / page_size)) * page_size + t % page_size;
     }
 #pragma unroll
     for (int r = 0; r < S::K_ROWS; r++) {
@@ -289,7 +299,7 @@ __device__ __forceinline__ void load_tile(Tile<Shape<DH, K_BITS, V_BITS, KT>>& t
         const unsigned char* row = c.k + s * c.k_stride;
 #pragma unroll
         for (int j = 0; j < S::K_PIECES; j++) {
-            load_words<S::K_PIECE>(row + (qd + 4 * j) * S::K_PIECE, &tile.k[r][j * S::K_PIECE / 4]);
+            load_words<S::K_PIECE, L2>(row + (qd + 4 * j) * S::K_PIECE, &tile.k[r][j * S::K_PIECE / 4]);
             if constexpr (K_BITS != 16)
                 tile.k_scale[r][j] = *(c.k_scales + s * c.scale_stride + (qd + 4 * j) * S::K_PIECE_ELEMS / 32);
         }
@@ -301,7 +311,7 @@ __device__ __forceinline__ void load_tile(Tile<Shape<DH, K_BITS, V_BITS, KT>>& t
         const unsigned char* row = c.v + s * c.v_stride;
 #pragma unroll
         for (int j = 0; j < S::V_PIECES; j++)
-            load_words<S::V_PIECE>(row + (g + 8 * j) * S::V_PIECE, &tile.v[i][j * S::V_PIECE / 4]);
+            load_words<S::V_PIECE, L2>(row + (g + 8 * j) * S::V_PIECE, &tile.v[i][j * S::V_PIECE / 4]);
         if constexpr (V_BITS != 16)
             tile.v_scale[i] = *(c.v_scales + s * c.scale_stride + g * S::V_PIECE_ELEMS / 32);
     }
@@ -677,6 +687,15 @@ __device__ __forceinline__ void paged_decode(
         prefetch_old_keys<DH, K_BITS, V_BITS>(k_cache, v_cache, kv_head, n_kv_heads, table, page_size, t_begin,
                                               (int)min((long long)min(t_end, t_begin + S::TILE_SLOTS * S::KT), pos),
                                               tid);
+    Tile<S> tile;
+#if ATT_TILE_BEFORE_WAIT
+    // TILE BEFORE WAIT: the warp's first tile, where its keys are all older than the new one this launch writes
+    const bool before = K_BITS == 16 && nt.k && t0 < t_end && (pos < t_begin || pos >= t_end || t0 + S::KT <= pos);
+    if constexpr (K_BITS == 16)
+        if (before) load_tile<DH, K_BITS, V_BITS, KT, true>(tile, cache, table, page_size, t0, t_end, lane);
+#else
+    constexpr bool before = false;
+#endif
     exl::pdl_wait();           // q and the newest keys come from the kernels before
     stamps.at(1);
 
@@ -696,9 +715,9 @@ __device__ __forceinline__ void paged_decode(
     // prefetch_old_keys has brought into L2. Quantized caches load as before both (measured, H100 2026-12-07: with
     // them the 8B shape's q4 step was 2-6 % slower, the 1B's 1-2 % faster; docs/attention.md).
     constexpr bool EARLY = K_BITS == 16;
-    Tile<S> tile;
     const bool early = EARLY && (!writes || t0 + S::KT <= pos);
-    if (early && t0 < t_end) load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
+    if (early && t0 < t_end && !before)
+        load_tile<DH, K_BITS, V_BITS, KT>(tile, cache, table, page_size, t0, t_end, lane);
     const half* q_row = q + ((size_t)row * n_heads + head0) * DH;
     unsigned qb[S::STEPS][2];
     float q_reg[Q_PER_THREAD];

@@ -197,7 +197,7 @@ def test_decode_replays_in_a_cuda_graph(mode, shape):
 @pytest.mark.parametrize("shape", [(8, 4, 128), (8, 4, 64), (2, 8, 64), (3, 1, 128), (2, 12, 64), (4, 2, 256),
                                    (2, 2, 32)])
 @pytest.mark.parametrize("window", [None, 100])
-def test_rope_attention_is_rope_write_then_attention(mode, shape, window):
+def test_rope_attention_is_rope_write_then_attention(mode, shape, window, attention_probe):
     """A decode batch from its projections (rope_attention: the kernel rotates q and k and writes the new keys and
     values itself; a group of 12 query heads takes rope_write's launch first): the cache after it bit for bit
     rope_write's, the output bit for bit the attention kernel's on that cache with rope_write's q. Rows of 1 to
@@ -205,11 +205,14 @@ def test_rope_attention_is_rope_write_then_attention(mode, shape, window):
     round of a block's tiles, in several warps' tiles), the new key on and off page boundaries, random page tables.
     The cos / sin tables are random, each dim's entry its own (real tables repeat their first half), so a kernel
     that rotated a pair with the wrong dim's entry would fail. fp16 caches at head_dim 64 and 128 rotate in registers
-    (attention.cu ROPE IN REGISTERS), the other head dims and the quantized caches through shared memory."""
+    (attention.cu ROPE IN REGISTERS), the other head dims and the quantized caches through shared memory. Also with
+    the probe that loads a warp's first tile of older keys before the kernel's wait (fp16: TILE BEFORE WAIT)."""
     from exl_backends.kernels import attention, kv_cache
     hkv, group, dh = shape
     if mode != "fp16" and dh % 64:
         pytest.skip("quantized caches need head_dim % 64 == 0")
+    if attention_probe and mode != "fp16":
+        pytest.skip("the probe changes the fp16 kernels only")
     specs = [(n - 1, 1) for n in DECODE_LENS + [100]]
     lists, n_pages = shuffled_pages(specs, 256, seed=dh + group)
     (ours, g), (theirs, _) = (filled_cache(shape, mode, n_pages, 256, seed=dh + group) for _ in range(2))
