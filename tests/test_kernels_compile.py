@@ -102,31 +102,30 @@ def test_the_attention_trace_probe_compiles():
     assert b"\0att_trace_n\0" in out.stdout and b"\0att_trace\0" in out.stdout
 
 
+def assert_fp16_decode_kernels_spill_free(defines: list[str], head_dims: tuple[int, ...]) -> None:
+    """attention.cu compiled (sm_90a) with these -D defines: the fp16 decode kernels at these head dims spill nothing."""
+    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "--use_fast_math",
+                          *(f"-D{d}" for d in defines), "-Xptxas", "-v", "-o", "/dev/null",
+                          str(KERNEL_DIR / "attention.cu")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for dh in head_dims:
+        report = out.stderr.split(f"Compiling entry function 'paged_decode_fp16_d{dh}'")[1]
+        assert "0 bytes spill stores, 0 bytes spill loads" in report.split("Compiling entry function")[0]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_the_fp16_decode_kernels_rotating_in_registers_have_no_spills():
     """attention.cu ROPE IN REGISTERS (docs/megakernel.md): the fp16 decode kernels that rotate their queries in
     registers keep every value there (the head_dim 128 one holds ~230 of its 255)."""
-    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "--use_fast_math",
-                          "-Xptxas", "-v", "-o", "/dev/null", str(KERNEL_DIR / "attention.cu")],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    for dh in (64, 128):
-        report = out.stderr.split(f"Compiling entry function 'paged_decode_fp16_d{dh}'")[1]
-        assert "0 bytes spill stores, 0 bytes spill loads" in report.split("Compiling entry function")[0]
-
+    assert_fp16_decode_kernels_spill_free([], (64, 128))
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_the_tile_before_wait_probe_compiles_without_spills():
     """attention.cu ATT_TILE_BEFORE_WAIT (docs/megakernel.md): the fp16 decode kernels keep every value in registers
     with a warp's first tile loaded before the wait."""
-    out = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", "-arch=sm_90a", "-cubin", "--use_fast_math",
-                          "-DATT_TILE_BEFORE_WAIT=1", "-Xptxas", "-v", "-o", "/dev/null",
-                          str(KERNEL_DIR / "attention.cu")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    for dh in (16, 32, 64, 96, 128, 256):
-        report = out.stderr.split(f"Compiling entry function 'paged_decode_fp16_d{dh}'")[1]
-        assert "0 bytes spill stores, 0 bytes spill loads" in report.split("Compiling entry function")[0]
+    assert_fp16_decode_kernels_spill_free(["ATT_TILE_BEFORE_WAIT=1"], (16, 32, 64, 96, 128, 256))
+
 
 LISTING = """
 .text.k:

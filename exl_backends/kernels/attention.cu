@@ -689,8 +689,9 @@ __device__ __forceinline__ void paged_decode(
                                               tid);
     Tile<S> tile;
 #if ATT_TILE_BEFORE_WAIT
-    // TILE BEFORE WAIT: the warp's first tile, where its keys are all older than the new one this launch writes
-    const bool before = K_BITS == 16 && nt.k && t0 < t_end && (pos < t_begin || pos >= t_end || t0 + S::KT <= pos);
+    // TILE BEFORE WAIT: `early` below, in a launch that writes its rows' new keys (t_begin <= pos: the split's keys
+    // end before the new one, or the tile does)
+    const bool before = nt.k && t0 < t_end && (pos >= t_end || t0 + S::KT <= pos);
     if constexpr (K_BITS == 16)
         if (before) load_tile<DH, K_BITS, V_BITS, KT, true>(tile, cache, table, page_size, t0, t_end, lane);
 #else
